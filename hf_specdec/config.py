@@ -1,0 +1,122 @@
+"""`SpeculativeConfig`: the validated description of how to speculate.
+
+Keys follow vLLM's `--speculative-config` (method, model, num_speculative_tokens,
+prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) plus a few of our own
+(seed, block_size, num_kv_blocks). Every invalid value raises `ValueError` naming the field
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model")
+METHODS_NEEDING_MODEL = ("eagle", "eagle3", "draft_model")
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How `generate()` speculates.
+
+    Args:
+        method: one of "ngram", "eagle", "eagle3", "mtp", "draft_model".
+        model: the drafter (folder or Hub id) for methods that need one.
+        num_speculative_tokens: k, draft tokens proposed per row and step (1..32).
+        prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (ngram only).
+            As in vLLM a missing one takes the other's value; when neither is given they are 1 and
+            4 (vLLM uses 5 and 5: a wrong draft costs little here, so short n-grams pay).
+        disable_by_batch_size: stop drafting while this many rows or more are still generating.
+        seed: seeds the per-row random generators of the rejection sampler; None draws the seed
+            from torch's global generator, so `torch.manual_seed` makes runs reproducible.
+        block_size: tokens per KV-cache block.
+        num_kv_blocks: size of the KV block pool; None sizes it from the request.
+    """
+
+    method: str = "ngram"
+    model: Any = None
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+    seed: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method={self.method!r} is unknown; allowed: {', '.join(METHODS)}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens={k!r} is out of range; "
+                f"allowed: an integer from 1 to {MAX_SPECULATIVE_TOKENS}"
+            )
+        if self.method in METHODS_NEEDING_MODEL and self.model is None:
+            raise ValueError(
+                f"speculative_config.model is required for method={self.method!r} "
+                "(a folder, a Hub id or a loaded model)"
+            )
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config.model must be None for method='ngram' (it drafts from the context)")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo, hi = 1, 4
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"speculative_config.{name}={value!r} is invalid; allowed: an integer >= 1")
+            if lo > hi:
+                raise ValueError(
+                    f"speculative_config.prompt_lookup_min={lo} is larger than prompt_lookup_max={hi}; "
+                    "allowed: 1 <= prompt_lookup_min <= prompt_lookup_max"
+                )
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        else:
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} is only used by method='ngram', not {self.method!r}")
+        _check_optional_int("disable_by_batch_size", self.disable_by_batch_size, minimum=1)
+        _check_optional_int("seed", self.seed, minimum=0)
+        _check_optional_int("block_size", self.block_size, minimum=1)
+        _check_optional_int("num_kv_blocks", self.num_kv_blocks, minimum=1)
+
+    @classmethod
+    def from_any(cls, value: SpeculativeConfig | dict | str | None = None, **kwargs: Any) -> SpeculativeConfig:
+        """Build from a `SpeculativeConfig`, a dict, a JSON string, or keyword arguments."""
+        if isinstance(value, cls):
+            return dataclasses.replace(value, **kwargs) if kwargs else value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON: {error}") from error
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ValueError(
+                "speculative_config must be a SpeculativeConfig, a dict or a JSON string, "
+                f"got {type(value).__name__}"
+            )
+        merged = {**value, **kwargs}
+        allowed = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(merged) - set(allowed))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: {', '.join(allowed)}")
+        return cls(**merged)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), (int, str, type(None)))}
+
+
+def _check_optional_int(name: str, value: Any, minimum: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"speculative_config.{name}={value!r} is invalid; allowed: None or an integer >= {minimum}")

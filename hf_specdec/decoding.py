@@ -1,0 +1,333 @@
+"""The speculative decode loop.
+
+`generate` is the callable transformers' `generate(custom_generate=...)` takes: transformers has
+already prepared the generation config, the logits processors and the stopping criteria; we run
+the loop. Each step (`speculative_step`):
+
+1. draft: the proposer gives each active row up to k tokens (ragged, possibly none);
+2. verify: one target forward over every row's pending token(s) and drafts, packed varlen into
+   the paged KV cache;
+3. sample: logits processors at every verify position, then rejection sampling;
+4. emit: append accepted drafts + the bonus / recovered token, apply stopping criteria per
+   token, roll the cache back to the accepted length, release finished rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .config import SpeculativeConfig
+from .logits_processing import StopChecker, check_supported_processors, process_logits
+from .metadata import SpecDecodeMetadata
+from .metrics import SpecDecodeMetrics
+from .paged_attention import use_paged_attention
+from .paged_cache import PagedKVCache
+from .proposers import ProposeRequest, Proposer, build_proposer
+from .rejection_sampler import draw_random, rejection_sample
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus the metrics of this call (`SpecDecodeMetrics.to_dict()`)."""
+
+    spec_metrics: dict | None = None
+
+
+@dataclass
+class DecodeState:
+    """Every row's tokens and how far each has got.
+
+    `token_buffer` holds rows exactly as plain generate's `input_ids` would: left padding,
+    prompt, generated tokens (then pad). Columns past a row's `seq_lens` are scratch space where
+    drafts are written during verification.
+    """
+
+    token_buffer: torch.Tensor  # [rows, max_length]
+    pad_lens: np.ndarray  # left padding per row
+    seq_lens: np.ndarray  # columns in use per row (padding included)
+    num_cached: np.ndarray  # tokens per row whose K/V the cache holds
+    finished: np.ndarray  # bool per row
+    max_length: int
+    pad_token_id: int
+
+    def active_rows(self) -> np.ndarray:
+        return np.flatnonzero(~self.finished)
+
+    def tokens(self, row: int) -> np.ndarray:
+        return self.token_buffer[row, self.pad_lens[row] : self.seq_lens[row]].numpy()
+
+    def pending_tokens(self, row: int) -> torch.Tensor:
+        """Tokens of the row not yet in the cache: the whole prompt at first, then the last token."""
+        return self.token_buffer[row, self.pad_lens[row] + self.num_cached[row] : self.seq_lens[row]]
+
+
+@dataclass
+class SamplingState:
+    is_greedy: torch.Tensor  # [batch] bool
+    generators: list[torch.Generator | None]  # one per batch row, None for greedy rows
+
+
+def generate(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    generation_config: GenerationConfig | None = None,
+    synced_gpus: bool = False,
+    streamer=None,
+    speculative_config: SpeculativeConfig | dict | str | None = None,
+    speculative_streamer=None,
+    **model_kwargs,
+) -> torch.LongTensor | SpeculativeGenerateOutput:
+    """Speculative decoding, usable as `model.generate(..., custom_generate=hf_specdec.generate,
+    speculative_config=...)`.
+
+    transformers drops `streamer` for custom_generate callables: pass `speculative_streamer=`
+    instead (`hf_specdec.enable(model)` does that for you).
+    """
+    config = SpeculativeConfig.from_any(speculative_config)
+    generation_config = generation_config or model.generation_config
+    logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
+    stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
+    _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus)
+    streamer = speculative_streamer or streamer
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError("streamer is supported at batch size 1 only (as transformers' streamers)")
+
+    state = _initial_state(input_ids, model_kwargs.get("attention_mask"), generation_config, stopping_criteria)
+    stop_checker = StopChecker(stopping_criteria)
+    sampling = _sampling_state(generation_config, config, input_ids.shape[0])
+    proposer = build_proposer(config, model)
+    max_new_tokens = state.max_length - input_ids.shape[1]
+    prompt_lens = state.seq_lens - state.pad_lens
+    num_blocks = config.num_kv_blocks or sum(
+        -(-(int(length) + max_new_tokens + 1) // config.block_size) for length in prompt_lens
+    )
+    cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=config.block_size)
+
+    metrics = SpecDecodeMetrics()
+    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    emitted_scores: list[list[torch.Tensor]] = [[] for _ in range(input_ids.shape[0])]
+    emitted_logits: list[list[torch.Tensor]] = [[] for _ in range(input_ids.shape[0])]
+    if streamer is not None and speculative_streamer is not None:
+        streamer.put(input_ids.cpu())
+    started = time.perf_counter()
+    with torch.no_grad(), use_paged_attention(model):
+        while not state.finished.all():
+            step = speculative_step(
+                model, state, proposer, cache, config, logits_processor, stop_checker, sampling, metrics
+            )
+            for row, tokens, raw, processed in step:
+                if want_scores:
+                    emitted_scores[row].append(processed)
+                if want_logits:
+                    emitted_logits[row].append(raw)
+                if streamer is not None:
+                    for token in tokens:
+                        streamer.put(token[None].cpu())
+    metrics.total_seconds = time.perf_counter() - started
+    if streamer is not None:
+        streamer.end()
+    _record_on_model(model, metrics)
+
+    sequences = state.token_buffer[:, : int(state.seq_lens.max())].to(input_ids.device)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    num_new = sequences.shape[1] - input_ids.shape[1]
+    return SpeculativeGenerateOutput(
+        sequences=sequences,
+        scores=_per_step(emitted_scores, num_new) if want_scores else None,
+        logits=_per_step(emitted_logits, num_new) if want_logits else None,
+        spec_metrics=metrics.to_dict(),
+    )
+
+
+def speculative_step(
+    model: PreTrainedModel,
+    state: DecodeState,
+    proposer: Proposer,
+    cache: PagedKVCache,
+    config: SpeculativeConfig,
+    logits_processor: LogitsProcessorList,
+    stop_checker: StopChecker,
+    sampling: SamplingState,
+    metrics: SpecDecodeMetrics,
+) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One draft / verify / accept step over every active row.
+
+    Returns, per active row: (row, emitted tokens, their raw logits, their processed logits).
+    """
+    rows = state.active_rows()
+    seq_lens = state.seq_lens[rows]
+
+    # 1. draft: never more than the row may still emit, minus the token the target adds
+    clock = time.perf_counter()
+    max_draft = np.clip(np.minimum(config.num_speculative_tokens, state.max_length - seq_lens - 1), 0, None)
+    if config.disable_by_batch_size is not None and len(rows) >= config.disable_by_batch_size:
+        max_draft[:] = 0
+    proposal = proposer.propose(
+        ProposeRequest(rows=rows.tolist(), token_ids=[state.tokens(r) for r in rows], max_draft_tokens=max_draft.tolist())
+    )
+    spec = SpecDecodeMetadata.from_drafts(proposal.draft_token_ids, device=model.device)
+    num_draft = np.array(spec.num_draft_tokens, dtype=np.int64)
+    metrics.draft_seconds += time.perf_counter() - clock
+
+    # 2. verify: pending tokens + drafts of every row, packed into one forward
+    clock = time.perf_counter()
+    pending = [state.pending_tokens(r) for r in rows]
+    num_pending = np.array([len(p) for p in pending], dtype=np.int64)
+    segments = [torch.cat([p, torch.from_numpy(d)]) for p, d in zip(pending, proposal.draft_token_ids)]
+    segment_lens = num_pending + num_draft
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(state.num_cached[rows], segment_lens)])
+    segment_ends = np.cumsum(segment_lens)
+    # logits of the last pending token and of every draft: num_draft + 1 per row
+    keep = np.concatenate([np.arange(end - n - 1, end) for end, n in zip(segment_ends, num_draft)])
+    attention = cache.prepare_forward(rows.tolist(), segment_lens.tolist())
+    logits = model(
+        input_ids=torch.cat(segments)[None].to(model.device),
+        position_ids=torch.from_numpy(positions)[None].to(model.device),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=torch.from_numpy(keep).to(model.device),
+        paged_metadata=attention,
+    ).logits[0].float()
+    metrics.verify_seconds += time.perf_counter() - clock
+
+    # 3. sample: processors see, at each position, the prefix plain generate would have had
+    clock = time.perf_counter()
+    for row, start, drafts in zip(rows, seq_lens, proposal.draft_token_ids):
+        state.token_buffer[row, start : start + len(drafts)] = torch.from_numpy(drafts)
+    logits_rows = np.repeat(rows, num_draft + 1)
+    prefix_lens = np.repeat(seq_lens, num_draft + 1) + _offsets_within(num_draft + 1)
+    processed = process_logits(logits_processor, logits, state.token_buffer, logits_rows, prefix_lens)
+    generators = [sampling.generators[r] for r in rows]
+    draws = None if all(g is None for g in generators) else draw_random(generators, spec, logits.shape[-1], logits.device)
+    output_tokens, num_accepted = rejection_sample(
+        spec, processed, sampling.is_greedy[rows], draws=draws, draft_probs=proposal.draft_probs
+    )
+    metrics.sampler_seconds += time.perf_counter() - clock
+
+    # 4. emit, stop, roll back
+    num_accepted = num_accepted.cpu().numpy()
+    output_tokens = output_tokens.cpu()
+    for i, row in enumerate(rows):
+        state.token_buffer[row, seq_lens[i] : seq_lens[i] + num_accepted[i] + 1] = output_tokens[i, : num_accepted[i] + 1]
+    num_kept, stopped = stop_checker.first_stop(state.token_buffer, rows, seq_lens, num_accepted + 1)
+    metrics.record_step(spec.num_draft_tokens, num_accepted.tolist())
+    metrics.num_emitted_tokens += int(num_kept.sum())
+
+    first_logit = (spec.bonus_logits_indices.cpu().numpy() - num_draft)
+    emitted = []
+    for i, row in enumerate(rows):
+        start, kept = int(seq_lens[i]), int(num_kept[i])
+        state.token_buffer[row, start + kept : start + num_draft[i] + 1] = state.pad_token_id
+        state.seq_lens[row] = start + kept
+        window = slice(int(first_logit[i]), int(first_logit[i]) + kept)
+        emitted.append((int(row), output_tokens[i, :kept], logits[window], processed[window]))
+        if stopped[i]:
+            state.finished[row] = True
+            cache.free_row(int(row))
+        else:
+            state.num_cached[row] += num_pending[i] + num_accepted[i]
+            cache.rollback(int(row), int(state.num_cached[row]))
+    if stopped.any():
+        proposer.release(rows[stopped].tolist())
+    return emitted
+
+
+def _offsets_within(lengths: np.ndarray) -> np.ndarray:
+    """[0, 1, ..., n0-1, 0, 1, ..., n1-1, ...]"""
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
+def _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus) -> None:
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or model.config.is_encoder_decoder:
+        raise ValueError(
+            f"hf_specdec does not support model_type={model_type!r} yet; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if generation_config.num_beams != 1:
+        raise ValueError(f"num_beams={generation_config.num_beams} is not supported with speculative decoding; allowed: 1")
+    for option in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp"):
+        if getattr(generation_config, option, None):
+            raise ValueError(f"{option} is transformers' own assisted generation; do not combine it with speculative_config")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("inputs_embeds is not supported with speculative decoding; pass input_ids")
+    cache = model_kwargs.get("cache")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("a pre-filled cache cannot be reused with speculative decoding; pass cache=None")
+    if synced_gpus:
+        raise ValueError("synced_gpus is not supported with speculative decoding")
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    check_supported_processors(logits_processor)
+
+
+def _initial_state(input_ids, attention_mask, generation_config, stopping_criteria) -> DecodeState:
+    batch, prompt_width = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    attention_mask = attention_mask.cpu().bool()
+    prompt_lens = attention_mask.sum(dim=1)
+    left_padded = torch.arange(prompt_width)[None, :] >= (prompt_width - prompt_lens)[:, None]
+    if not torch.equal(attention_mask, left_padded):
+        raise ValueError(
+            "attention_mask must describe left padding (zeros only at the start of each row); "
+            "set tokenizer.padding_side='left'"
+        )
+    if (prompt_lens == 0).any():
+        raise ValueError("every row of input_ids needs at least one token that is not padding")
+    max_length = StopChecker(stopping_criteria).max_length or generation_config.max_length
+    pad = generation_config._pad_token_tensor
+    pad_token_id = int(pad.flatten()[0]) if pad is not None else (generation_config.pad_token_id or 0)
+    token_buffer = torch.full((batch, max(max_length, prompt_width + 1)), pad_token_id, dtype=torch.long)
+    token_buffer[:, :prompt_width] = input_ids.cpu()
+    return DecodeState(
+        token_buffer=token_buffer,
+        pad_lens=(prompt_width - prompt_lens).numpy().astype(np.int64),
+        seq_lens=np.full(batch, prompt_width, dtype=np.int64),
+        num_cached=np.zeros(batch, dtype=np.int64),
+        finished=np.zeros(batch, dtype=bool),
+        max_length=max_length,
+        pad_token_id=pad_token_id,
+    )
+
+
+def _sampling_state(generation_config: GenerationConfig, config: SpeculativeConfig, batch: int) -> SamplingState:
+    if not generation_config.do_sample:
+        return SamplingState(is_greedy=torch.ones(batch, dtype=torch.bool), generators=[None] * batch)
+    seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+    generators = [torch.Generator().manual_seed(seed + row) for row in range(batch)]
+    return SamplingState(is_greedy=torch.zeros(batch, dtype=torch.bool), generators=generators)
+
+
+def _per_step(per_row: list[list[torch.Tensor]], num_steps: int) -> tuple[torch.Tensor, ...]:
+    """Rows' emitted logits regrouped as plain generate returns them: one [batch, vocab] per step.
+
+    Positions after a row finished are 0 (plain generate fills them with the logits of its pad steps).
+    """
+    rows = [torch.cat(chunks) if chunks else None for chunks in per_row]
+    vocab = next(r.shape[-1] for r in rows if r is not None)
+    out = torch.zeros(num_steps, len(rows), vocab)
+    for i, r in enumerate(rows):
+        if r is not None:
+            out[: len(r), i] = r
+    return tuple(out)
+
+
+def _record_on_model(model: PreTrainedModel, metrics: SpecDecodeMetrics) -> None:
+    """Cumulative metrics live on the model: `model.spec_decode_metrics`."""
+    total = getattr(model, "spec_decode_metrics", None)
+    if not isinstance(total, SpecDecodeMetrics):
+        total = SpecDecodeMetrics()
+        model.spec_decode_metrics = total
+    total.merge(metrics)

@@ -1,0 +1,66 @@
+"""`enable(model)`: the one opt-in line that gives `model.generate` a `speculative_config` argument.
+
+The patched method hands everything to transformers' own `generate` with our loop as its
+`custom_generate` callable, so generation-config preparation stays transformers'. Two things
+transformers drops for custom callables are carried across here: the streamer, and the
+tokenizer that `stop_strings` needs (we build the `StopStringCriteria` ourselves).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+from transformers import PreTrainedModel, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from .decoding import generate as speculative_generate
+
+
+def enable(model: PreTrainedModel) -> PreTrainedModel:
+    """Let `model.generate(**inputs, speculative_config=...)` speculate. Idempotent; returns the model.
+
+    Without `speculative_config` (or with None) generate behaves exactly as before.
+    """
+    if getattr(model.generate, "_hf_specdec_original", None) is not None:
+        return model
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args, speculative_config=None, **kwargs):
+        if speculative_config is None:
+            return original(*args, **kwargs)
+        if "custom_generate" in kwargs:
+            raise ValueError("custom_generate cannot be combined with speculative_config")
+        kwargs["speculative_streamer"] = kwargs.pop("streamer", None)
+        _move_stop_strings_to_criteria(model, kwargs)
+        return original(*args, custom_generate=speculative_generate, speculative_config=speculative_config, **kwargs)
+
+    generate._hf_specdec_original = original
+    model.generate = generate
+    return model
+
+
+def disable(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo `enable`."""
+    original = getattr(model.generate, "_hf_specdec_original", None)
+    if original is not None:
+        del model.generate
+    return model
+
+
+def _move_stop_strings_to_criteria(model: PreTrainedModel, kwargs: dict) -> None:
+    generation_config = kwargs.get("generation_config") or model.generation_config
+    stop_strings = kwargs.pop("stop_strings", None) or generation_config.stop_strings
+    tokenizer = kwargs.pop("tokenizer", None)
+    if not stop_strings:
+        return
+    if tokenizer is None:
+        raise ValueError("stop_strings needs tokenizer= (pass the tokenizer to generate)")
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
+    if generation_config.stop_strings:
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.stop_strings = None
+        kwargs["generation_config"] = generation_config

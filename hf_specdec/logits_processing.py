@@ -1,0 +1,150 @@
+"""HF logits processors and stopping criteria applied at every verify / emitted position.
+
+Plain `generate()` calls each processor with the whole sequence so far (left padding included)
+and the next-token scores. A speculative step has several positions per row, each with its own
+prefix (the row's tokens plus the drafts before it), so we call processors per position, with
+exactly the prefix plain generate would have passed there. Positions whose prefixes have the
+same length go through one call together (a processor sees a rectangular `input_ids`).
+Processors that never read `input_ids` (temperature, top-k, top-p, min-p, ...) run once over
+every position. Stopping criteria are checked the same way after each emitted token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import logits_process, stopping_criteria
+
+# Processors whose output does not depend on input_ids: one call covers every position.
+_POSITION_FREE = tuple(
+    getattr(logits_process, name)
+    for name in (
+        "TemperatureLogitsWarper",
+        "TopKLogitsWarper",
+        "TopPLogitsWarper",
+        "MinPLogitsWarper",
+        "TypicalLogitsWarper",
+        "EpsilonLogitsWarper",
+        "EtaLogitsWarper",
+        "TopHLogitsWarper",
+        "LogitNormalization",
+        "SuppressTokensLogitsProcessor",
+        "InfNanRemoveLogitsProcessor",
+    )
+    if hasattr(logits_process, name)
+)
+
+# Processors that cannot be replayed per position: they read the batch index, call a model,
+# or keep random state between calls.
+_UNSUPPORTED = {
+    "PrefixConstrainedLogitsProcessor": "it calls prefix_allowed_tokens_fn with the batch index",
+    "ClassifierFreeGuidanceLogitsProcessor": "it needs an unconditional model pass",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "it needs an unconditional model pass",
+    "WatermarkLogitsProcessor": "it keeps random state between calls",
+    "SynthIDTextWatermarkLogitsProcessor": "it keeps state between calls",
+}
+
+
+def check_supported_processors(logits_processor: LogitsProcessorList) -> None:
+    for processor in logits_processor:
+        reason = _UNSUPPORTED.get(type(processor).__name__)
+        if reason:
+            raise ValueError(
+                f"{type(processor).__name__} is not supported with speculative decoding: {reason}. "
+                "Remove it (or the generate() option that adds it)."
+            )
+
+
+def _by_prefix_length(
+    token_buffer: torch.Tensor,
+    buffer_rows: np.ndarray,
+    prefix_lens: np.ndarray,
+    call: Callable[[torch.Tensor, np.ndarray], None],
+) -> None:
+    """Call `call(input_ids, positions)` once per distinct prefix length."""
+    order = np.argsort(prefix_lens, kind="stable")
+    bounds = np.flatnonzero(np.diff(prefix_lens[order])) + 1
+    for positions in np.split(order, bounds):
+        length = int(prefix_lens[positions[0]])
+        input_ids = token_buffer[torch.from_numpy(buffer_rows[positions]), :length]
+        call(input_ids, positions)
+
+
+def process_logits(
+    logits_processor: LogitsProcessorList,
+    logits: torch.Tensor,
+    token_buffer: torch.Tensor,
+    buffer_rows: np.ndarray,
+    prefix_lens: np.ndarray,
+) -> torch.Tensor:
+    """Processed scores for each row of `logits`; row i's prefix is `token_buffer[buffer_rows[i], :prefix_lens[i]]`."""
+    scores = logits
+    for processor in logits_processor:
+        if isinstance(processor, _POSITION_FREE):
+            scores = processor(token_buffer[:1], scores)
+            continue
+        processed = torch.empty_like(scores)
+
+        def apply(input_ids: torch.Tensor, positions: np.ndarray, processor=processor, scores=scores, out=processed):
+            index = torch.from_numpy(positions)
+            out[index] = processor(input_ids, scores[index].clone())
+
+        _by_prefix_length(token_buffer, buffer_rows, prefix_lens, apply)
+        scores = processed
+    return scores
+
+
+class StopChecker:
+    """Finds, for each row, the first emitted token after which generation must stop."""
+
+    def __init__(self, criteria: StoppingCriteriaList):
+        self.max_length: int | None = None
+        self.eos_token_ids: torch.Tensor | None = None
+        self.other: list = []
+        for criterion in criteria:
+            if isinstance(criterion, stopping_criteria.MaxLengthCriteria):
+                self.max_length = min(criterion.max_length, self.max_length or criterion.max_length)
+            elif isinstance(criterion, stopping_criteria.EosTokenCriteria):
+                ids = criterion.eos_token_id.flatten().cpu()
+                self.eos_token_ids = ids if self.eos_token_ids is None else torch.cat([self.eos_token_ids, ids])
+            else:
+                self.other.append(criterion)
+
+    def first_stop(
+        self, token_buffer: torch.Tensor, rows: np.ndarray, start_lens: np.ndarray, num_emitted: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens to keep per row: the emitted count, or up to and including the first stop.
+
+        Row `rows[i]` emitted `num_emitted[i]` tokens, already written in `token_buffer` from
+        column `start_lens[i]` on. Returns `(keep, stopped)`.
+        """
+        max_emitted = int(num_emitted.max())
+        offsets = np.arange(max_emitted)
+        emitted = offsets[None, :] < num_emitted[:, None]
+        prefix_lens = start_lens[:, None] + offsets[None, :] + 1  # length once token j is appended
+        stop = np.zeros_like(emitted)
+        if self.max_length is not None:
+            stop |= prefix_lens >= self.max_length
+        if self.eos_token_ids is not None:
+            columns = torch.from_numpy(np.minimum(prefix_lens - 1, token_buffer.shape[1] - 1))
+            tokens = token_buffer[torch.from_numpy(rows)[:, None], columns]
+            stop |= torch.isin(tokens, self.eos_token_ids.to(tokens.device)).cpu().numpy()
+        if self.other:
+            flat_rows, flat_offsets = np.nonzero(emitted)
+            flat_stop = np.zeros(len(flat_rows), dtype=bool)
+
+            def check(input_ids: torch.Tensor, positions: np.ndarray) -> None:
+                done = torch.zeros(len(positions), dtype=torch.bool, device=input_ids.device)
+                for criterion in self.other:
+                    done |= criterion(input_ids, None)
+                flat_stop[positions] = done.cpu().numpy()
+
+            _by_prefix_length(token_buffer, rows[flat_rows], prefix_lens[flat_rows, flat_offsets], check)
+            stop[flat_rows, flat_offsets] |= flat_stop
+        stop &= emitted
+        stopped = stop.any(axis=1)
+        keep = np.where(stopped, stop.argmax(axis=1) + 1, num_emitted)
+        return keep, stopped

@@ -1,0 +1,41 @@
+"""The protocol every drafter implements (the batched analogue of transformers'
+`CandidateGenerator`).
+
+Each step the loop hands the drafter the rows that are still generating, with their tokens so
+far (left padding removed) and how many draft tokens each may receive; the drafter answers with
+up to that many tokens per row (possibly none). Drafters that sample also return the draft
+probabilities q of their tokens, which the rejection sampler needs for p/q acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ProposeRequest:
+    rows: list[int]  # batch index of each row asking for drafts
+    token_ids: list[np.ndarray]  # each row's tokens so far (prompt + generated), int64, unpadded
+    max_draft_tokens: list[int]  # at most this many drafts for each row (may be 0)
+
+
+@dataclass
+class DraftProposal:
+    draft_token_ids: list[np.ndarray]  # per row, 0..max_draft_tokens[i] tokens
+    draft_probs: torch.Tensor | None = None  # [sum of draft lengths, vocab] q of each draft, None = one-hot
+
+    @property
+    def num_draft_tokens(self) -> list[int]:
+        return [len(tokens) for tokens in self.draft_token_ids]
+
+
+class Proposer(Protocol):
+    def propose(self, request: ProposeRequest) -> DraftProposal: ...
+
+    def release(self, rows: list[int]) -> None:
+        """Rows that finished: drop whatever state the drafter keeps for them."""
+        ...
