@@ -1,0 +1,134 @@
+"""Shared fixtures: a tiny random Llama, left-padded batches with repeated spans, a word-level tokenizer.
+
+Everything runs on CPU in fp32. The model is small enough that one thread is fastest (and keeps
+runs stable when the machine is busy).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.set_num_threads(1)
+
+VOCAB_SIZE = 128
+PAD_TOKEN_ID = 0
+EOS_TOKEN_ID = 1
+BOS_TOKEN_ID = 2
+FIRST_WORD_ID = 3  # prompts use ids from here on (never pad / eos / bos)
+
+# initializer_range 0.1 with seed 0: greedy output mixes repeated n-grams (drafts get accepted)
+# with novel tokens (drafts get rejected), and the top-2 logit gap stays above 1e-3 on every
+# step the tests take (fp32 noise between attention paths is ~1e-6).
+MODEL_SEED = 0
+INITIALIZER_RANGE = 0.1
+
+
+def build_tiny_llama(seed: int = MODEL_SEED, initializer_range: float = INITIALIZER_RANGE, **overrides):
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=PAD_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        bos_token_id=BOS_TOKEN_ID,
+        initializer_range=initializer_range,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def left_padded_batch(prompts: list[list[int]], pad_token_id: int = PAD_TOKEN_ID) -> dict[str, torch.Tensor]:
+    """input_ids + attention_mask, each row left-padded to the longest prompt."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def repeated_span_prompts(batch_size: int, seed: int | None = None) -> list[list[int]]:
+    """Prompts of different lengths, each a random prefix then a span repeated 2-4 times (then part of it)."""
+    rng = random.Random(batch_size if seed is None else seed)
+    prompts = []
+    for _ in range(batch_size):
+        span = [rng.randrange(FIRST_WORD_ID, VOCAB_SIZE) for _ in range(rng.randint(3, 6))]
+        prefix = [rng.randrange(FIRST_WORD_ID, VOCAB_SIZE) for _ in range(rng.randint(0, 4))]
+        prompts.append(prefix + span * rng.randint(2, 4) + span[: rng.randint(0, len(span))])
+    return prompts
+
+
+def repeated_span_batch(batch_size: int, seed: int | None = None) -> dict[str, torch.Tensor]:
+    return left_padded_batch(repeated_span_prompts(batch_size, seed))
+
+
+def ngram_config(k: int = 5, lookup_min: int = 1, lookup_max: int = 4, **extra) -> dict:
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": lookup_min,
+        "prompt_lookup_max": lookup_max,
+        **extra,
+    }
+
+
+def plain_generate(model, **kwargs):
+    """transformers' own generate, whether or not hf_specdec.enable() patched the model."""
+    original = getattr(model.generate, "_hf_specdec_original", None)
+    return (original or model.generate)(**kwargs)
+
+
+def new_tokens(sequences: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    return sequences[:, prompt_width:]
+
+
+@pytest.fixture
+def tiny_llama():
+    """A fresh (unpatched) tiny random Llama; identical weights on every call."""
+    return build_tiny_llama()
+
+
+@pytest.fixture
+def enabled_llama(tiny_llama):
+    import hf_specdec
+
+    return hf_specdec.enable(tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer():
+    """A word-level fast tokenizer over the model's 128 ids: 0 <pad>, 1 </s>, 2 <s>, i -> "w{i}" for 3..126.
+
+    Id 127 is "abcdef": transformers' StopStringCriteria tokenizes that string to learn how tokens
+    decode. Tokens decode fused (no spaces), so [5, 17] is "w5w17".
+    """
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD_TOKEN_ID, "</s>": EOS_TOKEN_ID, "<s>": BOS_TOKEN_ID}
+    vocab.update({f"w{i}": i for i in range(FIRST_WORD_ID, VOCAB_SIZE - 1)})
+    vocab["abcdef"] = VOCAB_SIZE - 1
+    backend = Tokenizer(WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="</s>",
+        bos_token="<s>",
+        padding_side="left",
+    )
+    assert len(tokenizer) == VOCAB_SIZE
+    return tokenizer
