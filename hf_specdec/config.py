@@ -64,13 +64,12 @@ class SpeculativeConfig:
             if self.model is not None:
                 raise ValueError("speculative_config.model must be None for method='ngram' (it drafts from the context)")
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            _check_optional_int("prompt_lookup_min", lo, minimum=1)
+            _check_optional_int("prompt_lookup_max", hi, minimum=1)
             if lo is None and hi is None:
                 lo, hi = 1, 4
             lo = hi if lo is None else lo
             hi = lo if hi is None else hi
-            for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(f"speculative_config.{name}={value!r} is invalid; allowed: an integer >= 1")
             if lo > hi:
                 raise ValueError(
                     f"speculative_config.prompt_lookup_min={lo} is larger than prompt_lookup_max={hi}; "

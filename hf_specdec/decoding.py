@@ -28,7 +28,7 @@ from .metadata import SpecDecodeMetadata
 from .metrics import SpecDecodeMetrics
 from .paged_attention import use_paged_attention
 from .paged_cache import PagedKVCache
-from .proposers import ProposeRequest, Proposer, build_proposer
+from .proposers import Proposer, ProposeRequest, build_proposer
 from .rejection_sampler import draw_random, rejection_sample
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -192,6 +192,7 @@ def speculative_step(
     # logits of the last pending token and of every draft: num_draft + 1 per row
     keep = np.concatenate([np.arange(end - n - 1, end) for end, n in zip(segment_ends, num_draft)])
     attention = cache.prepare_forward(rows.tolist(), segment_lens.tolist())
+    metrics.record_kv_usage(cache.num_blocks_used, cache.blocks_needed(state.num_cached[rows] + num_pending))
     logits = model(
         input_ids=torch.cat(segments)[None].to(model.device),
         position_ids=torch.from_numpy(positions)[None].to(model.device),

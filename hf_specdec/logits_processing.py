@@ -11,6 +11,7 @@ every position. Stopping criteria are checked the same way after each emitted to
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import numpy as np
@@ -58,6 +59,19 @@ def check_supported_processors(logits_processor: LogitsProcessorList) -> None:
             )
 
 
+def _for_rows(processor, batch_rows: np.ndarray):
+    """The processor as it applies to these batch rows.
+
+    `RepetitionPenaltyLogitsProcessor` carries one prompt-ignore length per batch row (the left
+    padding generate() found): the grouped call passes only some rows, so it gets theirs.
+    """
+    ignore = getattr(processor, "prompt_ignore_length", None)
+    if isinstance(ignore, torch.Tensor):
+        processor = copy.copy(processor)
+        processor.prompt_ignore_length = ignore[torch.from_numpy(batch_rows).to(ignore.device)]
+    return processor
+
+
 def _by_prefix_length(
     token_buffer: torch.Tensor,
     buffer_rows: np.ndarray,
@@ -90,7 +104,8 @@ def process_logits(
 
         def apply(input_ids: torch.Tensor, positions: np.ndarray, processor=processor, scores=scores, out=processed):
             index = torch.from_numpy(positions)
-            out[index] = processor(input_ids, scores[index].clone())
+            row_processor = _for_rows(processor, buffer_rows[positions])
+            out[index] = row_processor(input_ids, scores[index].clone())
 
         _by_prefix_length(token_buffer, buffer_rows, prefix_lens, apply)
         scores = processed

@@ -23,6 +23,10 @@ class SpecDecodeMetrics:
     verify_seconds: float = 0.0
     sampler_seconds: float = 0.0
     total_seconds: float = 0.0
+    # KV cache: the most blocks in use at once (during a verify forward, drafts included), and
+    # the blocks the tokens actually held needed at that moment (each row rounded up to blocks)
+    kv_peak_blocks_used: int = 0
+    kv_blocks_needed_at_peak: int = 0
 
     def record_step(self, num_draft_tokens: list[int], num_accepted: list[int]) -> None:
         self.num_target_forwards += 1
@@ -37,6 +41,10 @@ class SpecDecodeMetrics:
             for position in range(accepted):
                 self.num_accepted_tokens_per_pos[position] += 1
 
+    def record_kv_usage(self, blocks_used: int, blocks_needed: int) -> None:
+        if blocks_used > self.kv_peak_blocks_used:
+            self.kv_peak_blocks_used, self.kv_blocks_needed_at_peak = blocks_used, blocks_needed
+
     @property
     def mean_acceptance_length(self) -> float:
         """tau = 1 + accepted / drafts: tokens a drafted step yields on average."""
@@ -50,6 +58,9 @@ class SpecDecodeMetrics:
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
                      "num_target_forwards", "draft_seconds", "verify_seconds", "sampler_seconds", "total_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        if other.kv_peak_blocks_used > self.kv_peak_blocks_used:
+            self.kv_peak_blocks_used = other.kv_peak_blocks_used
+            self.kv_blocks_needed_at_peak = other.kv_blocks_needed_at_peak
         per_pos = other.num_accepted_tokens_per_pos
         if len(self.num_accepted_tokens_per_pos) < len(per_pos):
             self.num_accepted_tokens_per_pos += [0] * (len(per_pos) - len(self.num_accepted_tokens_per_pos))

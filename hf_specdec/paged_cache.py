@@ -170,6 +170,10 @@ class PagedKVCache(Cache):
     def num_tokens_held(self) -> int:
         return sum(self.seq_lens.values())
 
+    def blocks_needed(self, tokens_per_row) -> int:
+        """Blocks that rows holding these many tokens need at the least."""
+        return int(sum(self.blocks_for(int(n)) for n in tokens_per_row))
+
     @property
     def num_blocks_used(self) -> int:
         return self.allocator.num_used

@@ -131,28 +131,33 @@ def sharegpt_conversations(limit: int | None = None) -> list[dict]:
     return records
 
 
-def chat_prompts(tokenizer, name: str, limit: int | None = None) -> list[str]:
-    """Prompts rendered with the chat template: "humaneval" (complete this function) or "mt-bench" (first turns)."""
-    if name == "humaneval":
-        messages = [
-            f"Complete this Python function. Reply with the whole function in one code block.\n\n```python\n{p['prompt']}```"
-            for p in humaneval_problems()
-        ]
-    elif name == "mt-bench":
-        messages = [q["turns"][0] for q in mtbench_questions()]
-    else:
-        raise ValueError(f"prompt set {name!r} is unknown; allowed: humaneval, mt-bench")
-    messages = messages[:limit]
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
-        for m in messages
+def humaneval_prompts(tokenizer, limit: int | None = None) -> list[str]:
+    """HumanEval problems as chat prompts, in EvalPlus's instruction form (the model writes the
+    whole function in a code block)."""
+    messages = [
+        "Please provide a self-contained Python script that solves the following problem in a markdown "
+        f"code block:\n```python\n{problem['prompt'].strip()}\n```"
+        for problem in humaneval_problems()[:limit]
     ]
+    return [_render(tokenizer, m) for m in messages]
+
+
+def mtbench_prompts(tokenizer, limit: int | None = None) -> list[str]:
+    """MT-bench first turns as chat prompts."""
+    return [_render(tokenizer, q["turns"][0]) for q in mtbench_questions()[:limit]]
+
+
+def _render(tokenizer, message: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+    )
 
 
 __all__ = [
-    "chat_prompts",
     "humaneval_problems",
+    "humaneval_prompts",
     "load_smollm2",
+    "mtbench_prompts",
     "mtbench_questions",
     "sharegpt_conversations",
     "smollm2_path",

@@ -332,19 +332,10 @@ def _processor_kwargs(generated: list[int]) -> dict[str, dict]:
     }
 
 
-# transformers builds repetition_penalty's processor with `prompt_ignore_length` = one padding length
-# per batch row; hf_specdec calls processors with rows regrouped by prefix length, which that
-# processor rejects ("Incompatible `prompt_ignore_length` batch size"). Library bug, see the report.
-REPETITION_PENALTY_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="hf_specdec.logits_processing.process_logits regroups rows; RepetitionPenaltyLogitsProcessor "
-    "has a per-batch-row prompt_ignore_length tensor",
-)
+# transformers builds repetition_penalty's processor with one prompt-ignore length per batch row;
+# processors are called with rows regrouped by prefix length, so batch 4 checks that regrouping.
 PROCESSOR_CASES = [
-    pytest.param(
-        name, batch_size, marks=REPETITION_PENALTY_BUG if "repetition" in name and batch_size > 1 else ()
-    )
+    pytest.param(name, batch_size)
     for batch_size in (1, 4)
     for name in (
         "repetition_penalty",
@@ -353,7 +344,7 @@ PROCESSOR_CASES = [
         "bad_words_ids",
         "sequence_bias",
     )
-] + [pytest.param("combined", 1), pytest.param("combined", 4, marks=REPETITION_PENALTY_BUG)]
+] + [pytest.param("combined", 1), pytest.param("combined", 4)]
 
 
 @pytest.mark.parametrize("processor,batch_size", PROCESSOR_CASES)
