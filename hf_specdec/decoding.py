@@ -104,7 +104,7 @@ def generate(
 
     state = _initial_state(input_ids, model_kwargs.get("attention_mask"), generation_config, stopping_criteria)
     stop_checker = StopChecker(stopping_criteria)
-    sampling = _sampling_state(generation_config, config, input_ids.shape[0])
+    sampling = _sampling_state(generation_config, config, input_ids.shape[0], model.device)
     proposer = build_proposer(config, model)
     max_new_tokens = state.max_length - input_ids.shape[1]
     prompt_lens = state.seq_lens - state.pad_lens
@@ -213,7 +213,8 @@ def speculative_step(
     generators = [sampling.generators[r] for r in rows]
     draws = None if all(g is None for g in generators) else draw_random(generators, spec, logits.shape[-1], logits.device)
     output_tokens, num_accepted = rejection_sample(
-        spec, processed, sampling.is_greedy[rows], draws=draws, draft_probs=proposal.draft_probs
+        spec, processed, sampling.is_greedy[torch.from_numpy(rows).to(model.device)], draws=draws,
+        draft_probs=proposal.draft_probs,
     )
     metrics.sampler_seconds += time.perf_counter() - clock
 
@@ -303,12 +304,14 @@ def _initial_state(input_ids, attention_mask, generation_config, stopping_criter
     )
 
 
-def _sampling_state(generation_config: GenerationConfig, config: SpeculativeConfig, batch: int) -> SamplingState:
+def _sampling_state(
+    generation_config: GenerationConfig, config: SpeculativeConfig, batch: int, device: torch.device
+) -> SamplingState:
     if not generation_config.do_sample:
-        return SamplingState(is_greedy=torch.ones(batch, dtype=torch.bool), generators=[None] * batch)
+        return SamplingState(is_greedy=torch.ones(batch, dtype=torch.bool, device=device), generators=[None] * batch)
     seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-    generators = [torch.Generator().manual_seed(seed + row) for row in range(batch)]
-    return SamplingState(is_greedy=torch.zeros(batch, dtype=torch.bool), generators=generators)
+    generators = [torch.Generator(device=device).manual_seed(seed + row) for row in range(batch)]
+    return SamplingState(is_greedy=torch.zeros(batch, dtype=torch.bool, device=device), generators=generators)
 
 
 def _per_step(per_row: list[list[torch.Tensor]], num_steps: int) -> tuple[torch.Tensor, ...]:

@@ -98,14 +98,14 @@ def process_logits(
     scores = logits
     for processor in logits_processor:
         if isinstance(processor, _POSITION_FREE):
-            scores = processor(token_buffer[:1], scores)
+            scores = processor(token_buffer[:1].to(scores.device), scores)
             continue
         processed = torch.empty_like(scores)
 
         def apply(input_ids: torch.Tensor, positions: np.ndarray, processor=processor, scores=scores, out=processed):
-            index = torch.from_numpy(positions)
+            index = torch.from_numpy(positions).to(scores.device)
             row_processor = _for_rows(processor, buffer_rows[positions])
-            out[index] = row_processor(input_ids, scores[index].clone())
+            out[index] = row_processor(input_ids.to(scores.device), scores[index].clone())
 
         _by_prefix_length(token_buffer, buffer_rows, prefix_lens, apply)
         scores = processed
