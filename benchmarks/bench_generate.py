@@ -59,7 +59,9 @@ def run_set(model, tokenizer, name: str, limit: int, batch_size: int, args) -> d
         "plain": {},
         "ngram": {"speculative_config": config, "return_dict_in_generate": True},
     }
-    if batch_size == 1:  # transformers' assisted generation raises for batch > 1
+    if args.no_match:  # the drafter never proposes: our loop's overhead against plain decoding
+        config["disable_by_batch_size"] = 1
+    elif batch_size == 1:  # transformers' assisted generation raises for batch > 1
         arms["hf_prompt_lookup"] = {
             "prompt_lookup_num_tokens": args.k,
             "max_matching_ngram_size": args.prompt_lookup_max,
@@ -184,6 +186,7 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-match", action="store_true", help="ngram arm drafts nothing (measures overhead)")
     parser.add_argument("--memory", action="store_true", help="KV usage and peak RSS on a mixed-length batch")
     parser.add_argument("--memory-child", choices=["plain", "ngram"], help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/bench_generate.json")
