@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model")
+METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model", "layer_skip")
 METHODS_NEEDING_MODEL = ("eagle", "eagle3", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -23,7 +23,7 @@ class SpeculativeConfig:
     """How `generate()` speculates.
 
     Args:
-        method: one of "ngram", "eagle", "eagle3", "mtp", "draft_model".
+        method: one of "ngram", "eagle", "eagle3", "mtp", "draft_model", "layer_skip".
         model: the drafter (folder or Hub id) for methods that need one.
         num_speculative_tokens: k, draft tokens proposed per row and step (1..32).
         prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (ngram only).
@@ -34,6 +34,8 @@ class SpeculativeConfig:
             from torch's global generator, so `torch.manual_seed` makes runs reproducible.
         block_size: tokens per KV-cache block.
         num_kv_blocks: size of the KV block pool; None sizes it from the request.
+        early_exit_layer: N for method="layer_skip" (required there, nowhere else): draft with the
+            target's first N layers; 1..num_hidden_layers-1, the upper bound checked against the model.
     """
 
     method: str = "ngram"
@@ -45,6 +47,7 @@ class SpeculativeConfig:
     seed: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
+    early_exit_layer: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -85,6 +88,23 @@ class SpeculativeConfig:
         _check_optional_int("seed", self.seed, minimum=0)
         _check_optional_int("block_size", self.block_size, minimum=1)
         _check_optional_int("num_kv_blocks", self.num_kv_blocks, minimum=1)
+        self._check_layer_skip()
+
+    def _check_layer_skip(self) -> None:
+        if self.method != "layer_skip":
+            if self.early_exit_layer is not None:
+                raise ValueError(
+                    f"speculative_config.early_exit_layer is only used by method='layer_skip', not {self.method!r}"
+                )
+            return
+        if self.model is not None:
+            raise ValueError("speculative_config.model must be None for method='layer_skip' (the target drafts)")
+        if self.early_exit_layer is None:
+            raise ValueError(
+                "speculative_config.early_exit_layer is required for method='layer_skip'; "
+                "allowed: an integer from 1 to the model's num_hidden_layers - 1"
+            )
+        _check_optional_int("early_exit_layer", self.early_exit_layer, minimum=1)
 
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict | str | None = None, **kwargs: Any) -> SpeculativeConfig:

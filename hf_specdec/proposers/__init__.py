@@ -4,13 +4,47 @@ from __future__ import annotations
 
 from ..config import SpeculativeConfig
 from .base import DraftProposal, Proposer, ProposeRequest
+from .draft_model import DraftModelProposer, check_draft_compatible, load_draft_model
+from .drafting import DraftSampling
+from .layer_skip import LayerSkipProposer
 from .ngram import NgramProposer
 
-__all__ = ["DraftProposal", "NgramProposer", "ProposeRequest", "Proposer", "build_proposer"]
+__all__ = [
+    "DraftModelProposer",
+    "DraftProposal",
+    "DraftSampling",
+    "LayerSkipProposer",
+    "NgramProposer",
+    "ProposeRequest",
+    "Proposer",
+    "build_proposer",
+]
 
 
-def build_proposer(config: SpeculativeConfig, target_model) -> Proposer:
-    """The drafter `config.method` names, ready for `target_model`."""
+def build_proposer(config: SpeculativeConfig, target_model, generation_config=None, logits_processor=None) -> Proposer:
+    """The drafter `config.method` names, ready for `target_model`.
+
+    Drafters that run a model sample their drafts when `generation_config.do_sample`, warped by
+    the position-free processors of `logits_processor` (see `drafting.py`); greedy otherwise.
+    """
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-    raise NotImplementedError(f"speculative_config.method={config.method!r} is not implemented yet; available: 'ngram'")
+    if config.method in ("draft_model", "layer_skip"):
+        sampling = DraftSampling.from_generate(generation_config, logits_processor, config)
+        if config.method == "layer_skip":
+            return LayerSkipProposer(target_model, config.early_exit_layer, config.num_speculative_tokens, sampling)
+        draft = load_draft_model(config.model, target_model)
+        check_draft_compatible(draft, target_model)
+        return DraftModelProposer(
+            draft,
+            config.num_speculative_tokens,
+            sampling,
+            block_size=config.block_size,
+            num_blocks=config.num_kv_blocks,
+            max_length=generation_config.max_length if generation_config is not None else None,
+            output_device=target_model.device,
+        )
+    raise NotImplementedError(
+        f"speculative_config.method={config.method!r} is not implemented yet; "
+        "available: 'ngram', 'draft_model', 'layer_skip'"
+    )

@@ -1,0 +1,227 @@
+"""Draft-model drafter (seed §12.4.1): a smaller causal LM sharing the target's tokenizer drafts
+k tokens autoregressively, batched over rows.
+
+The draft keeps its own `PagedKVCache`, driven exactly like the loop drives the target's. Per row
+we remember which tokens the draft cache holds; each step the longest prefix of those that
+matches the row's context (capped at the context length - 1, so at least one token is fed) is
+kept and the rest rolled back. Rejected drafts are therefore dropped, accepted drafts already
+cached are reused, and the row feeds only its new tokens (usually the bonus token, or the last
+accepted draft and the bonus token when every draft passed).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from ..paged_attention import use_paged_attention
+from ..paged_cache import PagedAttentionMetadata, PagedKVCache
+from .base import DraftProposal, ProposeRequest
+from .drafting import DraftSampling, DraftTokenPicker, autoregressive_drafts, stack_draft_probs
+
+# drafts loaded from a path / Hub id, per target, so repeated generate() calls load them once
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# (draft, target) pairs already checked: the tokenizer comparison reads files
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def load_draft_model(spec, target: PreTrainedModel) -> PreTrainedModel:
+    """The draft `speculative_config.model` names: a loaded model, a folder or a Hub id.
+
+    A folder or Hub id is loaded once per target, in the target's dtype and on its device; a Hub id
+    comes from the local Hugging Face cache when it is there (no network needed), else the Hub.
+    """
+    if isinstance(spec, PreTrainedModel):
+        return spec.eval()
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ValueError(
+            f"speculative_config.model must be a folder, a Hub id or a loaded model for method='draft_model', "
+            f"got {type(spec).__name__}"
+        )
+    loaded = _LOADED.setdefault(target, {})
+    key = os.fspath(spec)
+    if key not in loaded:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(key, dtype=target.dtype, local_files_only=True)
+        except OSError:
+            model = AutoModelForCausalLM.from_pretrained(key, dtype=target.dtype)
+        loaded[key] = model.to(target.device).eval()
+    return loaded[key]
+
+
+def _special_ids(model: PreTrainedModel, name: str) -> frozenset[int] | None:
+    """A special token id (or ids) from the model's config, else its generation config; None if unset."""
+    value = getattr(model.config.get_text_config(), name, None)
+    if value is None and getattr(model, "generation_config", None) is not None:
+        value = getattr(model.generation_config, name, None)
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    return frozenset(value) if isinstance(value, (list, tuple, set, frozenset)) else frozenset([int(value)])
+
+
+def _vocab_size(model: PreTrainedModel) -> int:
+    """Width of the model's logits (what the rejection sampler compares), else config.vocab_size."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(model.config.get_text_config().vocab_size)
+
+
+def _local_tokenizer(model: PreTrainedModel):
+    """The model's tokenizer when its files are on this machine; None otherwise."""
+    path = getattr(model.config, "name_or_path", None) or getattr(model, "name_or_path", None)
+    if not path:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:  # no tokenizer files, or none readable: the config checks still apply
+        return None
+
+
+def check_draft_compatible(draft: PreTrainedModel, target: PreTrainedModel) -> None:
+    """Raise ValueError naming every difference that makes the draft's tokens mean something else.
+
+    Compared: logits width (vocabulary size), bos / eos / pad ids where both models define them,
+    and, when both tokenizers can be loaded from local files, their vocabularies and special tokens.
+    """
+    checked = _CHECKED.setdefault(draft, weakref.WeakSet())
+    if target in checked:
+        return
+    from ..decoding import SUPPORTED_MODEL_TYPES  # the loop imports the proposers: import on use
+
+    model_type = getattr(draft.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or getattr(draft.config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"speculative_config.model: the draft model_type={model_type!r} cannot run on the paged KV cache; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    problems = []
+    draft_vocab, target_vocab = _vocab_size(draft), _vocab_size(target)
+    if draft_vocab != target_vocab:
+        problems.append(f"vocabulary size {draft_vocab} (target: {target_vocab})")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        draft_ids, target_ids = _special_ids(draft, name), _special_ids(target, name)
+        if draft_ids is not None and target_ids is not None and draft_ids != target_ids:
+            problems.append(f"{name} {sorted(draft_ids)} (target: {sorted(target_ids)})")
+    if not problems:
+        draft_tokenizer, target_tokenizer = _local_tokenizer(draft), _local_tokenizer(target)
+        if draft_tokenizer is not None and target_tokenizer is not None:
+            draft_vocab_map, target_vocab_map = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+            if draft_vocab_map != target_vocab_map:
+                differing = len(set(draft_vocab_map.items()) ^ set(target_vocab_map.items()))
+                problems.append(f"tokenizer vocabulary ({differing} token/id pairs differ)")
+            for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                a, b = getattr(draft_tokenizer, name, None), getattr(target_tokenizer, name, None)
+                if a is not None and b is not None and str(a) != str(b):
+                    problems.append(f"tokenizer {name} {str(a)!r} (target: {str(b)!r})")
+    if problems:
+        raise ValueError(
+            "speculative_config.model does not share the target's tokenizer; the draft differs in: "
+            + "; ".join(problems)
+        )
+    checked.add(target)
+
+
+class DraftModelProposer:
+    """Drafts with a separate small causal LM over its own paged KV cache.
+
+    Args:
+        draft_model: the drafter, already checked against the target (`check_draft_compatible`).
+        num_speculative_tokens: k.
+        sampling: greedy or sampled drafts (`DraftSampling.from_generate`).
+        block_size: tokens per block of the draft's KV cache.
+        num_blocks: size of the draft's block pool; None sizes it at the first step from the
+            rows' prompt lengths and `max_length`.
+        max_length: the longest a row may get (prompt + new tokens), for sizing the pool.
+        output_device: where `draft_probs` go (the target's device).
+    """
+
+    def __init__(
+        self,
+        draft_model: PreTrainedModel,
+        num_speculative_tokens: int,
+        sampling: DraftSampling | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_length: int | None = None,
+        output_device: torch.device | str | None = None,
+    ):
+        if num_blocks is None and max_length is None:
+            raise ValueError("DraftModelProposer needs num_blocks or max_length to size its KV cache")
+        self.model = draft_model
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_length = max_length
+        self.output_device = torch.device(output_device) if output_device is not None else draft_model.device
+        self.picker = DraftTokenPicker(sampling or DraftSampling(), draft_model.device)
+        self.cache: PagedKVCache | None = None
+        self.cached_tokens: dict[int, np.ndarray] = {}  # per row: the tokens the draft cache holds
+
+    def _ensure_cache(self, token_ids: list[np.ndarray]) -> PagedKVCache:
+        if self.cache is None:
+            num_blocks = self.num_blocks
+            if num_blocks is None:
+                # first call: every row is present with its prompt; a row never holds more than
+                # prompt + new tokens + k (the drafts of its last step)
+                max_new = max(self.max_length - max(len(t) for t in token_ids), 0)
+                num_blocks = sum(-(-(len(t) + max_new + self.k + 1) // self.block_size) for t in token_ids)
+            self.cache = PagedKVCache.for_model(self.model, num_blocks=num_blocks, block_size=self.block_size)
+        return self.cache
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        keep: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+            paged_metadata=metadata,
+        ).logits[0]
+
+    def _catch_up(self, row: int, context: np.ndarray) -> np.ndarray:
+        """Roll the row's draft cache back to its longest prefix still in the context; return the rest."""
+        cached = self.cached_tokens.get(row)
+        kept = 0
+        if cached is not None:
+            limit = min(len(cached), len(context) - 1)
+            mismatch = np.flatnonzero(cached[:limit] != context[:limit])
+            kept = int(mismatch[0]) if mismatch.size else limit
+            self.cache.rollback(row, kept)
+        return context[kept:]
+
+    def propose(self, request: ProposeRequest) -> DraftProposal:
+        cache = self._ensure_cache(request.token_ids)
+        max_draft = [min(int(m), self.k) for m in request.max_draft_tokens]
+        feeds = [
+            self._catch_up(row, np.asarray(tokens)) if m > 0 else np.empty(0, dtype=np.int64)
+            for row, tokens, m in zip(request.rows, request.token_ids, max_draft)
+        ]
+        with torch.no_grad(), use_paged_attention(self.model):
+            drafts, probs = autoregressive_drafts(
+                self._forward, cache, request.rows, feeds, max_draft, self.picker, self.model.device
+            )
+        for row, tokens, draft in zip(request.rows, request.token_ids, drafts):
+            if len(draft):  # the cache now holds the context and every draft but the last
+                self.cached_tokens[row] = np.concatenate([np.asarray(tokens, dtype=np.int64), draft[:-1]])
+        return DraftProposal(draft_token_ids=drafts, draft_probs=stack_draft_probs(probs, self.output_device))
+
+    def release(self, rows: list[int]) -> None:
+        for row in rows:
+            self.cached_tokens.pop(row, None)
+            if self.cache is not None:
+                self.cache.free_row(row)
+        self.picker.release(rows)

@@ -1,0 +1,162 @@
+"""What the drafters that run a model share (draft model, layer skip, MTP).
+
+- `DraftSampling` / `DraftTokenPicker`: how a draft token is chosen. When the target is greedy,
+  the argmax of the draft logits (deterministic drafts: `draft_probs` None, one-hot q). When the
+  target samples, the draft token is *sampled* from q = softmax(processed draft logits) with a
+  per-row generator, and q is returned: the rejection sampler then does the full p/q test
+  (accept with min(1, p/q), recover from max(0, p - q)), whose output follows p for any q. q
+  only has to be the exact distribution the token was drawn from; how close it is to p sets the
+  acceptance rate. "Processed" means the position-free warpers of the request (temperature,
+  top-k, top-p, min-p, ...): they need no prefix, so one call covers every row. Processors that
+  read the prefix (repetition penalty, no-repeat-ngram, ...) are left to the target: skipping
+  them changes q, never the output distribution.
+- `autoregressive_drafts`: k draft steps batched over rows into packed varlen forwards over a
+  `PagedKVCache`, exactly as the loop drives the target: the first forward feeds each row's
+  tokens the drafter has not cached yet, the next ones one token per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+
+from ..config import SpeculativeConfig
+from ..logits_processing import _POSITION_FREE
+from ..paged_cache import PagedAttentionMetadata, PagedKVCache
+
+# the exponential race divides by E ~ Exp(1): a draw of 0 must not divide by zero (as the rejection sampler)
+NOISE_FLOOR = 1e-20
+# draft generators are seeded apart from the rejection sampler's (seed + row) so the two streams differ
+DRAFT_SEED_OFFSET = 1 << 40
+
+# forward(input_ids [T], position_ids [T], keep [R], metadata) -> logits [R, vocab] of the kept positions
+DraftForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
+
+
+@dataclass
+class DraftSampling:
+    """Whether drafts are sampled, and with which processors and seed.
+
+    `do_sample` False: greedy drafts. Otherwise each draft is sampled from q = softmax of the draft
+    logits after `warpers`, with one generator per batch row seeded from `seed`.
+    """
+
+    do_sample: bool = False
+    warpers: list = field(default_factory=list)
+    seed: int = 0
+
+    @classmethod
+    def from_generate(
+        cls,
+        generation_config: GenerationConfig | None,
+        logits_processor: LogitsProcessorList | None,
+        config: SpeculativeConfig,
+    ) -> DraftSampling:
+        """Sampled drafts exactly when the target samples, warped like the target's logits."""
+        if generation_config is None or not generation_config.do_sample:
+            return cls()
+        warpers = [p for p in (logits_processor or []) if isinstance(p, _POSITION_FREE)]
+        # drawn from torch's global generator after the sampler drew its own, so torch.manual_seed reproduces
+        seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        return cls(do_sample=True, warpers=warpers, seed=seed)
+
+
+class DraftTokenPicker:
+    """Turns draft logits into draft tokens (and their q when sampling), one generator per batch row."""
+
+    def __init__(self, sampling: DraftSampling, device: torch.device):
+        self.sampling = sampling
+        self.device = torch.device(device)
+        self._generators: dict[int, torch.Generator] = {}
+
+    def _generator(self, row: int) -> torch.Generator:
+        generator = self._generators.get(row)
+        if generator is None:
+            seed = (self.sampling.seed + DRAFT_SEED_OFFSET + row) % (1 << 63)
+            generator = self._generators[row] = torch.Generator(device=self.device).manual_seed(seed)
+        return generator
+
+    def pick(self, logits: torch.Tensor, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits `[len(rows), vocab]` -> (tokens `[len(rows)]`, q `[len(rows), vocab]` float32 or None)."""
+        if not self.sampling.do_sample:
+            return logits.argmax(dim=-1), None
+        scores = logits.float()
+        # position-free warpers ignore input_ids; they still take a [rows, length] tensor
+        placeholder_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
+        for warper in self.sampling.warpers:
+            scores = warper(placeholder_ids, scores)
+        q = torch.softmax(scores, dim=-1)
+        # exponential race: argmax(q / E), E ~ Exp(1) i.i.d., draws token x with probability q(x) exactly
+        noise = torch.empty_like(q)
+        for i, row in enumerate(rows):
+            generator = self._generator(int(row))
+            noise[i] = torch.empty(q.shape[-1], device=generator.device).exponential_(generator=generator)
+        tokens = (q / noise.clamp_min(NOISE_FLOOR)).argmax(dim=-1)
+        return tokens, q
+
+    def release(self, rows: Sequence[int]) -> None:
+        for row in rows:
+            self._generators.pop(int(row), None)
+
+
+def autoregressive_drafts(
+    forward: DraftForward,
+    cache: PagedKVCache,
+    rows: Sequence[int],
+    feeds: Sequence[np.ndarray],
+    max_draft: Sequence[int],
+    picker: DraftTokenPicker,
+    device: torch.device,
+) -> tuple[list[np.ndarray], list[torch.Tensor]]:
+    """Up to `max_draft[i]` draft tokens for each row, all rows batched in every forward.
+
+    Row `rows[i]` first feeds `feeds[i]` (at least one token: the tokens its cache lacks, the
+    last being the context's last token), at positions continuing its cache length; then each
+    draft token is fed back, one per row, while the row wants more. The last draft is never fed,
+    so afterwards the cache holds the context plus all drafts but the last.
+
+    Returns the drafts of each row and, when sampling, each row's q stacked `[drafts, vocab]`
+    (empty list entries when greedy).
+    """
+    drafts: list[list[int]] = [[] for _ in rows]
+    probs: list[list[torch.Tensor]] = [[] for _ in rows]
+    active = [i for i in range(len(rows)) if max_draft[i] > 0]
+    inputs = [np.asarray(feeds[i], dtype=np.int64) for i in active]
+    while active:
+        active_rows = [int(rows[i]) for i in active]
+        lengths = np.array([len(x) for x in inputs], dtype=np.int64)
+        starts = np.array([cache.seq_lens.get(row, 0) for row in active_rows], dtype=np.int64)
+        metadata = cache.prepare_forward(active_rows, lengths.tolist())
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+        keep = np.cumsum(lengths) - 1  # each row's last fed token predicts its next draft
+        logits = forward(
+            torch.from_numpy(np.concatenate(inputs)).to(device),
+            torch.from_numpy(positions).to(device),
+            torch.from_numpy(keep).to(device),
+            metadata,
+        )
+        tokens, q = picker.pick(logits, active_rows)
+        tokens = tokens.cpu().numpy()
+        still_active = []
+        for j, i in enumerate(active):
+            drafts[i].append(int(tokens[j]))
+            if q is not None:
+                probs[i].append(q[j])
+            if len(drafts[i]) < max_draft[i]:
+                still_active.append(i)
+        active = still_active
+        inputs = [np.array(drafts[i][-1:], dtype=np.int64) for i in active]
+    draft_arrays = [np.array(d, dtype=np.int64) for d in drafts]
+    return draft_arrays, [torch.stack(p) if p else None for p in probs]
+
+
+def stack_draft_probs(per_row: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor | None:
+    """Rows' q stacked in the flat row-major order of `DraftProposal.draft_probs`; None when greedy."""
+    present = [p for p in per_row if p is not None]
+    if not present:
+        return None
+    return torch.cat(present).to(device)

@@ -1,0 +1,136 @@
+"""Layer-skip self-speculation: the target drafts with its own first N layers, then its final
+norm and lm_head (transformers' `assistant_early_exit` idea), batched over rows. No trained
+drafter is needed; how often the early exit agrees with the full model sets the gain.
+
+KV cache sharing. The draft's layers 0..N-1 *are* the target's layers 0..N-1, so the draft
+reads and writes the target's own cache for those layers instead of keeping a copy:
+
+- positions below a row's cached length L hold the K/V the target's verify forward wrote for
+  tokens that were accepted: exactly what the draft's first N layers would compute for them
+  (same weights, same tokens, same positions), so the draft attends to them as they are;
+- the draft writes its own K/V for positions L.. (the pending token(s), then every draft but
+  the last) into the row's slots beyond L, after reserving them with `prepare_forward`, and
+  the proposer rolls the row back to L before returning, so the loop finds the cache as it
+  left it;
+- the verify forward then feeds the pending token(s) and all drafts at positions L..L+drafts,
+  which covers every slot the draft wrote, and `PagedLayer.update` writes each layer's new
+  K/V before attention reads the pool: the target never reads a value the draft wrote. The
+  draft never touches layers N.. at all.
+
+So the output depends on the target alone (greedy identity holds), and the draft costs no KV
+memory: its extra slots are ones the verify of the same step would reserve anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from ..paged_attention import use_paged_attention
+from ..paged_cache import PagedAttentionMetadata, PagedKVCache
+from .base import DraftProposal, ProposeRequest
+from .drafting import DraftSampling, DraftTokenPicker, autoregressive_drafts, stack_draft_probs
+
+
+def check_early_exit_layer(model: PreTrainedModel, early_exit_layer: int | None) -> int:
+    """The validated N: an int from 1 to the model's num_hidden_layers - 1."""
+    num_layers = model.config.get_text_config().num_hidden_layers
+    if isinstance(early_exit_layer, bool) or not isinstance(early_exit_layer, int):
+        raise ValueError(
+            f"speculative_config.early_exit_layer={early_exit_layer!r} is invalid for method='layer_skip'; "
+            f"allowed: an integer from 1 to {num_layers - 1} (the model has {num_layers} layers)"
+        )
+    if not 1 <= early_exit_layer <= num_layers - 1:
+        raise ValueError(
+            f"speculative_config.early_exit_layer={early_exit_layer} is out of range; "
+            f"allowed: 1 to {num_layers - 1} (the model has {num_layers} layers)"
+        )
+    return early_exit_layer
+
+
+@contextlib.contextmanager
+def early_exit(model: PreTrainedModel, num_layers: int) -> Iterator[None]:
+    """Run only the first `num_layers` decoder layers (then the final norm and the head).
+
+    Decoder forwards loop over `self.layers[: config.num_hidden_layers]`; transformers'
+    `EarlyExitCandidateGenerator` lowers that count the same way.
+    """
+    config = getattr(model, model.base_model_prefix).config
+    original = config.num_hidden_layers
+    config.num_hidden_layers = num_layers
+    try:
+        yield
+    finally:
+        config.num_hidden_layers = original
+
+
+class LayerSkipProposer:
+    """Drafts with the target's first `early_exit_layer` layers, on the target's own KV cache.
+
+    The loop hands over its cache with `bind_target_cache` before the first step.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        early_exit_layer: int,
+        num_speculative_tokens: int,
+        sampling: DraftSampling | None = None,
+    ):
+        self.model = model
+        self.early_exit_layer = check_early_exit_layer(model, early_exit_layer)
+        self.k = num_speculative_tokens
+        self.picker = DraftTokenPicker(sampling or DraftSampling(), model.device)
+        self.cache: PagedKVCache | None = None
+
+    def bind_target_cache(self, cache: PagedKVCache) -> None:
+        """The target's cache, which the draft shares for layers 0..N-1 (see the module docstring)."""
+        self.cache = cache
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        keep: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+            paged_metadata=metadata,
+        ).logits[0]
+
+    def propose(self, request: ProposeRequest) -> DraftProposal:
+        if self.cache is None:
+            raise RuntimeError(
+                "LayerSkipProposer needs the target's cache: call bind_target_cache(cache) first"
+            )
+        max_draft = [min(int(m), self.k) for m in request.max_draft_tokens]
+        # the target cache holds each row's first L tokens (all accepted); the draft feeds the rest
+        held = {row: self.cache.seq_lens.get(row, 0) for row in request.rows}
+        feeds = [np.asarray(tokens)[held[row] :] for row, tokens in zip(request.rows, request.token_ids)]
+        try:
+            with (
+                torch.no_grad(),
+                use_paged_attention(self.model),
+                early_exit(self.model, self.early_exit_layer),
+            ):
+                drafts, probs = autoregressive_drafts(
+                    self._forward, self.cache, request.rows, feeds, max_draft, self.picker, self.model.device
+                )
+        finally:
+            # give the loop its cache back as it was: the draft's slots beyond L are the verify's to write
+            for row, length in held.items():
+                if row in self.cache.block_tables:
+                    self.cache.rollback(row, length)
+        return DraftProposal(draft_token_ids=drafts, draft_probs=stack_draft_probs(probs, self.model.device))
+
+    def release(self, rows: list[int]) -> None:
+        self.picker.release(rows)  # the loop frees the rows' blocks in its (shared) cache
