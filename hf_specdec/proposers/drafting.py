@@ -30,8 +30,11 @@ from ..paged_cache import PagedAttentionMetadata, PagedKVCache
 
 # the exponential race divides by E ~ Exp(1): a draw of 0 must not divide by zero (as the rejection sampler)
 NOISE_FLOOR = 1e-20
-# draft generators are seeded apart from the rejection sampler's (seed + row) so the two streams differ
-DRAFT_SEED_OFFSET = 1 << 40
+# Draft generators must not share a stream with the rejection sampler's (seeded seed + row): a
+# draft drawn with the same numbers as its acceptance test is correlated with it, which biases
+# the output. torch's CPU generator keeps only the low 32 bits of a seed (seed + 2**40 would give
+# the very same stream), so each draft seed is hashed from (seed, row, this tag) instead.
+DRAFT_STREAM_TAG = 0x0D5AF7
 
 # forward(input_ids [T], position_ids [T], keep [R], metadata) -> logits [R, vocab] of the kept positions
 DraftForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
@@ -76,7 +79,8 @@ class DraftTokenPicker:
     def _generator(self, row: int) -> torch.Generator:
         generator = self._generators.get(row)
         if generator is None:
-            seed = (self.sampling.seed + DRAFT_SEED_OFFSET + row) % (1 << 63)
+            entropy = [self.sampling.seed, row, DRAFT_STREAM_TAG]
+            seed = int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
             generator = self._generators[row] = torch.Generator(device=self.device).manual_seed(seed)
         return generator
 
