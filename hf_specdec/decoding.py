@@ -23,6 +23,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .config import SpeculativeConfig
+from .feature_capture import TargetFeatureCapture, capture_for_proposer
 from .logits_processing import StopChecker, check_supported_processors, process_logits
 from .metadata import SpecDecodeMetadata
 from .metrics import SpecDecodeMetrics
@@ -31,7 +32,7 @@ from .paged_cache import PagedKVCache
 from .proposers import Proposer, ProposeRequest, build_proposer
 from .rejection_sampler import draw_random, rejection_sample
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3")
 
 
 @dataclass
@@ -123,10 +124,11 @@ def generate(
     if streamer is not None and speculative_streamer is not None:
         streamer.put(input_ids.cpu())
     started = time.perf_counter()
-    with torch.no_grad(), use_paged_attention(model):
+    # drafters that read the target's hidden states (EAGLE) get them from hooks on these forwards
+    with torch.no_grad(), use_paged_attention(model), capture_for_proposer(model, proposer) as features:
         while not state.finished.all():
             step = speculative_step(
-                model, state, proposer, cache, config, logits_processor, stop_checker, sampling, metrics
+                model, state, proposer, cache, config, logits_processor, stop_checker, sampling, metrics, features
             )
             for row, tokens, raw, processed in step:
                 if want_scores:
@@ -163,8 +165,12 @@ def speculative_step(
     stop_checker: StopChecker,
     sampling: SamplingState,
     metrics: SpecDecodeMetrics,
+    features: TargetFeatureCapture | None = None,
 ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One draft / verify / accept step over every active row.
+
+    `features` (drafters with `target_feature_layers`): hooks capturing the target's hidden states;
+    the accepted positions' ones are kept for the drafter's next call.
 
     Returns, per active row: (row, emitted tokens, their raw logits, their processed logits).
     """
@@ -177,7 +183,12 @@ def speculative_step(
     if config.disable_by_batch_size is not None and len(rows) >= config.disable_by_batch_size:
         max_draft[:] = 0
     proposal = proposer.propose(
-        ProposeRequest(rows=rows.tolist(), token_ids=[state.tokens(r) for r in rows], max_draft_tokens=max_draft.tolist())
+        ProposeRequest(
+            rows=rows.tolist(),
+            token_ids=[state.tokens(r) for r in rows],
+            max_draft_tokens=max_draft.tolist(),
+            target_features=None if features is None else features.take(rows.tolist()),
+        )
     )
     spec = SpecDecodeMetadata.from_drafts(proposal.draft_token_ids, device=model.device)
     num_draft = np.array(spec.num_draft_tokens, dtype=np.int64)
@@ -240,9 +251,14 @@ def speculative_step(
         if stopped[i]:
             state.finished[row] = True
             cache.free_row(int(row))
+            if features is not None:
+                features.drop(int(row))
         else:
             state.num_cached[row] += num_pending[i] + num_accepted[i]
             cache.rollback(int(row), int(state.num_cached[row]))
+            if features is not None:  # the pending token(s) and accepted drafts are context now
+                segment_start = int(segment_ends[i] - segment_lens[i])
+                features.keep(int(row), segment_start, int(num_pending[i] + num_accepted[i]))
     if stopped.any():
         proposer.release(rows[stopped].tolist())
     return emitted

@@ -225,8 +225,13 @@ def test_unsupported_model_type():
     assert gpt2.generate(**inputs, max_new_tokens=4, do_sample=False).shape == (1, 9)
 
 
-def test_eagle_not_implemented_yet(enabled_llama):
-    with pytest.raises(NotImplementedError, match="eagle"):
+def test_eagle_head_not_found(enabled_llama, tmp_path, monkeypatch):
+    """An EAGLE head that is neither a folder nor in the (offline) Hub cache: ValueError naming it."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="some/eagle-head"):
         enabled_llama.generate(
             **repeated_span_batch(1),
             max_new_tokens=4,

@@ -44,7 +44,12 @@ def build_proposer(config: SpeculativeConfig, target_model, generation_config=No
             max_length=generation_config.max_length if generation_config is not None else None,
             output_device=target_model.device,
         )
+    if config.method in ("eagle", "eagle3"):
+        from .eagle import EagleProposer  # imports transformers' Llama modules: only when used
+
+        max_length = generation_config.max_length if generation_config is not None else None
+        return EagleProposer.from_config(config, target_model, max_length=max_length)
     raise NotImplementedError(
         f"speculative_config.method={config.method!r} is not implemented yet; "
-        "available: 'ngram', 'draft_model', 'layer_skip'"
+        "available: 'ngram', 'draft_model', 'layer_skip', 'eagle', 'eagle3'"
     )

@@ -21,6 +21,11 @@ class ProposeRequest:
     rows: list[int]  # batch index of each row asking for drafts
     token_ids: list[np.ndarray]  # each row's tokens so far (prompt + generated), int64, unpadded
     max_draft_tokens: list[int]  # at most this many drafts for each row (may be 0)
+    # Drafters with `target_feature_layers` (EAGLE) get, per row, `[m, D]` target hidden states of
+    # the m positions that became accepted context since their last call (the pending token(s) and
+    # the accepted drafts; `[0, 0]` before the first verify): feature j belongs to position
+    # len-1-m+j. None for drafters that read tokens only.
+    target_features: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -34,6 +39,11 @@ class DraftProposal:
 
 
 class Proposer(Protocol):
+    """Optionally, `target_feature_layers: tuple[int, ...]` (transformers `hidden_states` indices
+    of the target, L = the final norm's output): the loop then captures those hidden states during
+    its forwards and passes them in `ProposeRequest.target_features` (see `feature_capture.py`).
+    """
+
     def propose(self, request: ProposeRequest) -> DraftProposal: ...
 
     def release(self, rows: list[int]) -> None:

@@ -1,0 +1,676 @@
+"""EAGLE and EAGLE-3 draft heads (seed §12.4.2), their checkpoint formats and loading.
+
+A head drafts from the target's hidden states instead of from tokens alone:
+
+- EAGLE (EAGLE-1/2, arXiv:2401.15077): the input of position i is `fc(concat(embed(t[i+1]), f[i]))`,
+  where f[i] is the target's last hidden state (after the final norm: the lm_head input) at
+  position i. One or more Llama decoder layers follow (the first without input_layernorm, as the
+  authors built it); the output estimates f[i+1], so the *target's* lm_head turns it into a
+  guess for t[i+2].
+- EAGLE-3 (arXiv:2503.01840): f[i] is the concatenation of the target's hidden states at three
+  depths (transformers' `hidden_states[2]`, `[L // 2]`, `[L - 3]`, i.e. the inputs of those
+  decoder layers), fused by `fc` (3H -> H). The first decoder layer reads
+  `concat(input_layernorm(embed), hidden_norm(feature))` (2H wide q/k/v); a final norm and the
+  head's own lm_head score a reduced draft vocabulary, mapped back with `d2t`
+  (target_id = draft_id + d2t[draft_id]). From the second draft step on, the head's own output
+  (before the final norm) is the feature, not re-fused.
+
+Embedding and lm_head are borrowed from the target whenever the checkpoint does not carry them.
+The decoder layers are transformers' own Llama modules, so the head runs through the same paged
+KV cache and attention function as the target (`use_paged_attention(head)`).
+
+Checkpoints load from our own format (`EagleHead.save_pretrained`: config.json with
+`"format": "hf_specdec.eagle_head"` + model.safetensors), the EAGLE authors' layouts
+(SafeAILab/EAGLE: EAGLE-1/2 heads `fc.*`, `layers.N.*`; EAGLE-3 heads `midlayer.*`, `d2t`, `t2d`,
+which SpecForge writes too) and the vLLM speculators EAGLE-3 layout (`layers.N.*`, config with
+`transformer_layer_config`). Tensors come from safetensors, or from `pytorch_model.bin` through
+`torch.load(..., weights_only=True)` only; no remote code ever runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+FORMAT_NAME = "hf_specdec.eagle_head"
+FORMAT_VERSION = 1
+METHODS = ("eagle", "eagle3")
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+# LlamaConfig fields a head's decoder layers use; everything else in a foreign config.json is ignored
+_DECODER_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "attention_bias",
+    "mlp_bias",
+    "pad_token_id",
+)
+_SAVED_DECODER_KEYS = tuple(k for k in _DECODER_KEYS if k not in ("rope_theta", "rope_scaling"))
+
+
+def default_eagle3_feature_layers(num_target_layers: int) -> tuple[int, ...]:
+    """vLLM's / the EAGLE-3 authors' default: inputs of layers 2, L // 2 and L - 3.
+
+    Tiny targets (L < 5) would get indices outside [0, L]; they are clamped into it.
+    """
+    return tuple(min(max(i, 0), num_target_layers) for i in (2, num_target_layers // 2, num_target_layers - 3))
+
+
+@dataclass
+class EagleHeadConfig:
+    """Everything that shapes a head; `to_json` / `from_json` are our checkpoint's config.json.
+
+    `target_feature_layers` are indices into transformers' `hidden_states` of the target:
+    i < L is the input of decoder layer i, L the output of the final norm (what EAGLE reads).
+    """
+
+    method: str  # "eagle" or "eagle3"
+    decoder: LlamaConfig  # the head's decoder layers (num_hidden_layers = head layers, vocab_size = target's)
+    target_hidden_size: int  # width of one target feature
+    draft_vocab_size: int | None = None  # EAGLE-3: rows of the head's own lm_head; None = target vocab
+    target_feature_layers: tuple[int, ...] | None = None  # EAGLE-3: None = default_eagle3_feature_layers
+    num_target_features: int = 1  # how many target hidden states are concatenated (EAGLE-3: 3)
+    fc_bias: bool = False
+    first_layer_input_norm: bool = True  # False: layer 0 has no input_layernorm (EAGLE-1 authors)
+    norm_before_residual: bool = False  # EAGLE-3: residual taken after hidden_norm (speculators option)
+    own_embed_tokens: bool = False  # False: borrow the target's input embedding
+    own_lm_head: bool = False  # False: borrow the target's lm_head (EAGLE); EAGLE-3 heads carry one
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"EAGLE head method={self.method!r} is unknown; allowed: {', '.join(METHODS)}")
+        if self.method == "eagle3" and not self.own_lm_head:
+            raise ValueError("an EAGLE-3 head needs its own lm_head (over the draft vocabulary)")
+        if self.target_feature_layers is not None:
+            self.target_feature_layers = tuple(int(i) for i in self.target_feature_layers)
+            if len(self.target_feature_layers) != self.num_target_features:
+                raise ValueError(
+                    f"target_feature_layers={list(self.target_feature_layers)} names "
+                    f"{len(self.target_feature_layers)} target layers, but the head's fc reads "
+                    f"{self.num_target_features} features"
+                )
+        # the decoder layers run through whatever attention the config names: SDPA (causal when
+        # no mask is given) outside generate, the paged function inside (use_paged_attention)
+        self.decoder._attn_implementation = "sdpa"
+
+    @property
+    def hidden_size(self) -> int:
+        return self.decoder.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.decoder.num_hidden_layers
+
+    def to_json(self) -> dict:
+        decoder = {k: getattr(self.decoder, k) for k in _SAVED_DECODER_KEYS if getattr(self.decoder, k, None) is not None}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "decoder"}
+        if fields["target_feature_layers"] is not None:
+            fields["target_feature_layers"] = list(fields["target_feature_layers"])
+        return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **fields, "decoder": decoder}
+
+    @classmethod
+    def from_json(cls, data: dict) -> EagleHeadConfig:
+        if data.get("format") != FORMAT_NAME:
+            raise ValueError(f"not an {FORMAT_NAME} config (format={data.get('format')!r})")
+        if data.get("format_version", 1) > FORMAT_VERSION:
+            raise ValueError(
+                f"{FORMAT_NAME} format_version {data['format_version']} is newer than this hf_specdec "
+                f"understands ({FORMAT_VERSION}); upgrade hf_specdec"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names and k != "decoder"}
+        return cls(decoder=_decoder_config(data["decoder"]), **kwargs)
+
+
+def _decoder_config(data: dict) -> LlamaConfig:
+    model_type = data.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(
+            f"EAGLE head decoder architecture model_type={model_type!r} is not supported; supported: llama "
+            "(the layout the EAGLE authors, SpecForge and vLLM use for their heads)"
+        )
+    return LlamaConfig(**{k: data[k] for k in _DECODER_KEYS if k in data})
+
+
+class Eagle3FirstDecoderLayer(LlamaDecoderLayer):
+    """The EAGLE-3 first layer: transformers' Llama layer with 2H-wide q/k/v and a `hidden_norm`.
+
+    Attention itself is `LlamaAttention.forward` (rotary, cache update, the attention function
+    the config names), so the layer works with the paged cache like the target's layers.
+    """
+
+    def __init__(self, config: LlamaConfig, layer_idx: int = 0, norm_before_residual: bool = False):
+        super().__init__(config, layer_idx)
+        attention = self.self_attn
+        width = 2 * config.hidden_size
+        bias = config.attention_bias
+        attention.q_proj = nn.Linear(width, config.num_attention_heads * attention.head_dim, bias=bias)
+        attention.k_proj = nn.Linear(width, config.num_key_value_heads * attention.head_dim, bias=bias)
+        attention.v_proj = nn.Linear(width, config.num_key_value_heads * attention.head_dim, bias=bias)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm_before_residual = norm_before_residual
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.hidden_norm(hidden_states)
+        if self.norm_before_residual:
+            residual = hidden_states
+        hidden_states = torch.cat([self.input_layernorm(embeds), hidden_states], dim=-1)
+        attended, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + attended
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class EagleHead(nn.Module):
+    """An EAGLE or EAGLE-3 draft head.
+
+    `forward` maps (tokens, features) pairs to the head's hidden states (the features of the next
+    step); `compute_logits` scores them (target vocabulary for EAGLE, draft vocabulary for
+    EAGLE-3: map with `draft_to_target`). Borrowed modules (`bind_target`) are not part of the
+    state dict and are never saved.
+    """
+
+    def __init__(self, head_config: EagleHeadConfig):
+        super().__init__()
+        self.head_config = head_config
+        config = head_config.decoder
+        self.config = config  # what use_paged_attention and PagedKVCache read
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden) if head_config.own_embed_tokens else None
+        if head_config.method == "eagle":
+            self.fc = nn.Linear(2 * hidden, hidden, bias=head_config.fc_bias)
+            layers = [LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+            if not head_config.first_layer_input_norm:
+                # the authors feed fc's output straight into attention (cnets1.py: index 0 has no norm)
+                layers[0].input_layernorm = nn.Identity()
+            self.norm = None
+        else:
+            fc_in = head_config.num_target_features * head_config.target_hidden_size
+            self.fc = nn.Linear(fc_in, hidden, bias=head_config.fc_bias)
+            layers = [Eagle3FirstDecoderLayer(config, 0, head_config.norm_before_residual)]
+            layers += [LlamaDecoderLayer(config, i) for i in range(1, config.num_hidden_layers)]
+            self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(layers)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.lm_head = None
+        if head_config.own_lm_head:
+            self.lm_head = nn.Linear(hidden, head_config.draft_vocab_size or config.vocab_size, bias=False)
+        if head_config.method == "eagle3":
+            draft_vocab = head_config.draft_vocab_size or config.vocab_size
+            self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+            self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        # target modules used in place of missing ones; a plain dict keeps them out of the state dict
+        self._borrowed: dict[str, nn.Module] = {}
+
+    # --- construction ----------------------------------------------------------------------------
+    @classmethod
+    def for_target(
+        cls,
+        target: nn.Module,
+        method: str,
+        num_layers: int = 1,
+        draft_vocab: Sequence[int] | torch.Tensor | None = None,
+        target_feature_layers: Sequence[int] | None = None,
+        seed: int | None = None,
+    ) -> EagleHead:
+        """A randomly initialised head shaped for `target` (what a trainer starts from).
+
+        The decoder layers copy the target's attention / MLP sizes. `draft_vocab` (EAGLE-3): the
+        target ids the draft vocabulary covers, in draft-id order; None = the whole vocabulary.
+        """
+        text = target.config.get_text_config()
+        decoder = LlamaConfig(
+            **{k: getattr(text, k) for k in _SAVED_DECODER_KEYS if getattr(text, k, None) is not None}
+        )
+        decoder.num_hidden_layers = num_layers
+        decoder.attention_bias = bool(getattr(text, "attention_bias", False))
+        decoder.mlp_bias = bool(getattr(text, "mlp_bias", False))
+        if method == "eagle3":
+            feature_layers = (
+                tuple(target_feature_layers)
+                if target_feature_layers is not None
+                else default_eagle3_feature_layers(text.num_hidden_layers)
+            )
+            draft_ids = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
+            head_config = EagleHeadConfig(
+                method=method,
+                decoder=decoder,
+                target_hidden_size=text.hidden_size,
+                draft_vocab_size=None if draft_ids is None else len(draft_ids),
+                target_feature_layers=feature_layers,
+                num_target_features=len(feature_layers),
+                own_lm_head=True,
+            )
+        else:
+            draft_ids = None
+            head_config = EagleHeadConfig(
+                method=method, decoder=decoder, target_hidden_size=text.hidden_size, fc_bias=True,
+                first_layer_input_norm=False,
+            )
+        if seed is not None:
+            torch.manual_seed(seed)
+        head = cls(head_config)
+        if draft_ids is not None:
+            head.set_draft_vocab(draft_ids)
+        return head.to(dtype=target.dtype, device=target.device).bind_target(target).eval()
+
+    def set_draft_vocab(self, draft_to_target_ids: torch.Tensor) -> None:
+        """Set `d2t` / `t2d` from the target id of every draft id (EAGLE-3)."""
+        ids = torch.as_tensor(draft_to_target_ids, dtype=torch.long, device=self.d2t.device)
+        if ids.shape != self.d2t.shape:
+            raise ValueError(f"draft vocabulary has {ids.numel()} ids, the head's lm_head scores {self.d2t.numel()}")
+        if ids.min() < 0 or ids.max() >= self.t2d.numel():
+            raise ValueError(f"draft vocabulary ids must lie in [0, {self.t2d.numel()}) (the target vocabulary)")
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def bind_target(self, target: nn.Module) -> EagleHead:
+        """Check the head fits `target` and borrow its embedding / lm_head where the head has none."""
+        check_head_fits_target(self, target)
+        self._borrowed = {}
+        if self.embed_tokens is None:
+            self._borrowed["embed_tokens"] = target.get_input_embeddings()
+        if self.lm_head is None:
+            self._borrowed["lm_head"] = target.get_output_embeddings()
+        return self
+
+    # --- what the drafter asks -------------------------------------------------------------------
+    @property
+    def method(self) -> str:
+        return self.head_config.method
+
+    def feature_layers_for(self, num_target_layers: int) -> tuple[int, ...]:
+        """The target's `hidden_states` indices whose concatenation is this head's input feature."""
+        if self.method == "eagle":
+            return (num_target_layers,)  # the final norm's output: the lm_head input
+        layers = self.head_config.target_feature_layers
+        return tuple(layers) if layers is not None else default_eagle3_feature_layers(num_target_layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return (self.embed_tokens or self._borrowed_module("embed_tokens"))(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        features: torch.Tensor,
+        position_ids: torch.LongTensor,
+        fuse_features: bool = True,
+        cache=None,
+        **attention_kwargs: Any,
+    ) -> torch.Tensor:
+        """Hidden states `[batch, tokens, H]` of the (feature, token) pairs.
+
+        Args:
+            input_ids: `[batch, tokens]` the token paired with each feature (the one after it).
+            features: `[batch, tokens, F]`: target features (EAGLE: H; EAGLE-3: fused here when
+                `fuse_features`), or the head's own previous outputs (`fuse_features=False`).
+            position_ids: `[batch, tokens]` the position of each feature.
+            cache / attention_kwargs: the paged cache and `paged_metadata` inside generate; None
+                for a plain causal forward over whole sequences (training).
+        """
+        embeds = self.embed(input_ids).to(features.dtype)
+        if self.method == "eagle":
+            hidden_states = self.fc(torch.cat([embeds, features], dim=-1))
+        else:
+            hidden_states = self.fc(features) if fuse_features else features
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for i, layer in enumerate(self.layers):
+            layer_inputs = (embeds, hidden_states) if (i == 0 and self.method == "eagle3") else (hidden_states,)
+            hidden_states = layer(
+                *layer_inputs,
+                attention_mask=None,
+                position_ids=position_ids,
+                cache=cache,
+                position_embeddings=position_embeddings,
+                **attention_kwargs,
+            )
+        return hidden_states
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """EAGLE: the target's lm_head on the predicted feature; EAGLE-3: own lm_head after the norm."""
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states)
+        return (self.lm_head or self._borrowed_module("lm_head"))(hidden_states)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids (identity for EAGLE)."""
+        if self.method == "eagle":
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def _borrowed_module(self, name: str) -> nn.Module:
+        module = self._borrowed.get(name)
+        if module is None:
+            raise RuntimeError(
+                f"this EAGLE head has no {name} of its own: call head.bind_target(target_model) first"
+            )
+        return module
+
+    # --- our checkpoint format -------------------------------------------------------------------
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        """config.json + model.safetensors (borrowed embedding / lm_head are not written)."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / CONFIG_FILE).write_text(json.dumps(self.head_config.to_json(), indent=2) + "\n")
+        state = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
+        save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt", "hf_specdec": FORMAT_NAME})
+
+    @classmethod
+    def from_pretrained(
+        cls, source: str | os.PathLike, target: nn.Module | None = None, method: str | None = None
+    ) -> EagleHead:
+        """Load any supported layout (see `load_eagle_head`)."""
+        return load_eagle_head(source, target=target, method=method)
+
+
+# --- checking a head against its target ---------------------------------------------------------
+def check_head_fits_target(head: EagleHead, target: nn.Module) -> None:
+    """Raise ValueError naming what differs when `head` was not built for `target`."""
+    text = target.config.get_text_config()
+    config = head.head_config
+    model_type = getattr(text, "model_type", None)
+    layers = _target_layers(target)
+    if layers is None:
+        raise ValueError(
+            f"target architecture model_type={model_type!r} does not expose decoder layers and a final norm "
+            "(model.model.layers / model.model.norm) to take EAGLE features from"
+        )
+    if config.target_hidden_size != text.hidden_size:
+        raise ValueError(
+            f"EAGLE head does not fit the target: hidden size: the head reads target features of size "
+            f"{config.target_hidden_size}, the target's hidden_size is {text.hidden_size}"
+        )
+    target_vocab = target.get_output_embeddings().weight.shape[0]
+    if config.vocab_size != target_vocab:
+        raise ValueError(
+            f"EAGLE head does not fit the target: vocabulary: the head was built for vocab_size "
+            f"{config.vocab_size}, the target's lm_head has {target_vocab} rows"
+        )
+    borrowed = [n for n, own in (("embedding", config.own_embed_tokens), ("lm_head", config.own_lm_head)) if not own]
+    if borrowed and config.hidden_size != text.hidden_size:
+        raise ValueError(
+            f"EAGLE head does not fit the target: hidden size: the head's hidden_size is {config.hidden_size}, "
+            f"the target's {text.hidden_size}, and the head borrows the target's {' and '.join(borrowed)}"
+        )
+    num_layers = len(layers)
+    for index in head.feature_layers_for(num_layers):
+        if not 0 <= index <= num_layers:
+            raise ValueError(
+                f"EAGLE head does not fit the target: target_feature_layers: hidden_states index {index} "
+                f"is outside [0, {num_layers}] (the target has {num_layers} decoder layers)"
+            )
+    if config.method == "eagle3":
+        if int((head.d2t + torch.arange(len(head.d2t), device=head.d2t.device)).max()) >= target_vocab:
+            raise ValueError(
+                f"EAGLE head does not fit the target: vocabulary: d2t maps draft ids to target ids >= {target_vocab}"
+            )
+
+
+def _target_layers(target: nn.Module) -> nn.ModuleList | None:
+    base = getattr(target, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or getattr(base, "norm", None) is None:
+        return None
+    return layers
+
+
+# --- loading ------------------------------------------------------------------------------------
+def resolve_head_folder(source: str | os.PathLike) -> Path:
+    """A local folder as is; anything else is a Hub id, fetched (or found offline in the HF cache)."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"EAGLE head {str(source)!r} is a file; give the folder holding config.json and the weights")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors", "*.bin"])
+        )
+    except Exception as error:  # noqa: BLE001 - every failure to find it means the same to the user
+        raise ValueError(
+            f"EAGLE head {str(source)!r} is neither a local folder nor a Hub model that could be fetched or "
+            f"found in the Hugging Face cache ({type(error).__name__}: {error})"
+        ) from error
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder: safetensors preferred, `.bin` only via weights_only."""
+    safetensors = sorted(folder.glob("*.safetensors"))
+    if safetensors:
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for file in safetensors:
+            state.update(load_file(str(file)))
+        return state
+    bins = sorted(folder.glob("*.bin"))
+    if not bins:
+        raise ValueError(f"no weights in {str(folder)!r}: expected *.safetensors or pytorch_model.bin")
+    state = {}
+    for file in bins:
+        try:
+            loaded = torch.load(str(file), map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001
+            raise ValueError(
+                f"{str(file)!r} does not load with torch.load(weights_only=True) (it is not a plain tensor "
+                f"checkpoint; convert it to safetensors): {error}"
+            ) from error
+        if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+            raise ValueError(f"{str(file)!r} is not a state dict of tensors")
+        state.update(loaded)
+    return state
+
+
+def detect_layout(config: dict, names: set[str]) -> str:
+    """'hf_specdec', 'speculators', 'eagle3' (authors / SpecForge) or 'eagle' (authors' EAGLE-1/2)."""
+    if config.get("format") == FORMAT_NAME:
+        return "hf_specdec"
+    if "speculators_model_type" in config or "transformer_layer_config" in config:
+        kind = config.get("speculators_model_type", "eagle3")
+        if kind != "eagle3":
+            raise ValueError(
+                f"speculators checkpoint type {kind!r} is not supported; supported: eagle3 "
+                "(EAGLE-1 heads load from the authors' layout)"
+            )
+        return "speculators"
+    if any(n.startswith("midlayer.") for n in names) or "draft_vocab_size" in config or "d2t" in names:
+        return "eagle3"
+    if "fc.weight" in names and any(n.startswith("layers.") for n in names):
+        return "eagle"
+    raise ValueError(
+        "unrecognised EAGLE checkpoint: expected our config.json (format hf_specdec.eagle_head), an EAGLE-1/2 "
+        "head (fc.weight + layers.N.*), an EAGLE-3 head (midlayer.* or draft_vocab_size / d2t) or a speculators "
+        f"config; got tensors {sorted(names)[:8]}..."
+    )
+
+
+def _convert_authors_eagle(config: dict, state: dict[str, torch.Tensor]) -> tuple[EagleHeadConfig, dict]:
+    decoder = _decoder_config(config)
+    head_config = EagleHeadConfig(
+        method="eagle",
+        decoder=decoder,
+        target_hidden_size=decoder.hidden_size,
+        fc_bias="fc.bias" in state,
+        first_layer_input_norm="layers.0.input_layernorm.weight" in state,
+        own_embed_tokens="embed_tokens.weight" in state,
+        own_lm_head="lm_head.weight" in state,
+    )
+    return head_config, state
+
+
+def _eagle3_head_config(
+    decoder_dict: dict, top: dict, state: dict[str, torch.Tensor], feature_layers: Sequence[int] | None
+) -> EagleHeadConfig:
+    decoder = _decoder_config(decoder_dict)
+    target_hidden = top.get("target_hidden_size") or decoder.hidden_size
+    fc = state.get("fc.weight")
+    if fc is None:
+        raise ValueError("EAGLE-3 checkpoint lacks fc.weight (the fusion of the target's hidden states)")
+    if fc.shape[1] % target_hidden:
+        raise ValueError(
+            f"EAGLE-3 checkpoint: fc.weight has {fc.shape[1]} input features, not a multiple of the target "
+            f"hidden size {target_hidden}"
+        )
+    draft_vocab = top.get("draft_vocab_size")
+    if draft_vocab is None and "lm_head.weight" in state:
+        draft_vocab = state["lm_head.weight"].shape[0]
+    return EagleHeadConfig(
+        method="eagle3",
+        decoder=decoder,
+        target_hidden_size=target_hidden,
+        draft_vocab_size=draft_vocab,
+        target_feature_layers=None if feature_layers is None else tuple(feature_layers),
+        num_target_features=fc.shape[1] // target_hidden,
+        fc_bias="fc.bias" in state,
+        norm_before_residual=bool(top.get("norm_before_residual", False)),
+        own_embed_tokens="embed_tokens.weight" in state,
+        own_lm_head=True,
+    )
+
+
+def _convert_authors_eagle3(config: dict, state: dict[str, torch.Tensor]) -> tuple[EagleHeadConfig, dict]:
+    # the authors and SpecForge name the single layer `midlayer`; vLLM reads it as layers.0
+    state = {("layers.0." + k[len("midlayer.") :]) if k.startswith("midlayer.") else k: v for k, v in state.items()}
+    feature_layers = config.get("eagle_aux_hidden_state_layer_ids")  # vLLM: hidden_states indices already
+    eagle_config = config.get("eagle_config") or {}
+    if feature_layers is None and eagle_config.get("eagle_aux_hidden_state_layer_ids") is not None:
+        # SGLang / SpecForge name the layer whose *output* is taken: hidden_states index = id + 1
+        feature_layers = [i + 1 for i in eagle_config["eagle_aux_hidden_state_layer_ids"]]
+    return _eagle3_head_config(config, config, state, feature_layers), state
+
+
+def _convert_speculators(config: dict, state: dict[str, torch.Tensor]) -> tuple[EagleHeadConfig, dict]:
+    decoder = config.get("transformer_layer_config")
+    if not isinstance(decoder, dict):
+        raise ValueError("speculators EAGLE-3 config lacks transformer_layer_config")
+    # the verifier's own norm / lm_head are training-only copies of the target's
+    state = {k: v for k, v in state.items() if not k.startswith("verifier_")}
+    return _eagle3_head_config(decoder, config, state, config.get("eagle_aux_hidden_state_layer_ids")), state
+
+
+_CONVERTERS = {
+    "eagle": _convert_authors_eagle,
+    "eagle3": _convert_authors_eagle3,
+    "speculators": _convert_speculators,
+}
+
+
+def head_from_checkpoint(config: dict, state: dict[str, torch.Tensor], method: str | None = None) -> EagleHead:
+    """Build a head from a config dict and tensors of any supported layout."""
+    layout = detect_layout(config, set(state))
+    if layout == "hf_specdec":
+        head_config = EagleHeadConfig.from_json(config)
+    else:
+        head_config, state = _CONVERTERS[layout](config, state)
+    if method is not None and method != head_config.method:
+        kinds = {"eagle": "an EAGLE (EAGLE-1/2) head", "eagle3": "an EAGLE-3 head"}
+        raise ValueError(
+            f"speculative_config.method={method!r} but the checkpoint is {kinds[head_config.method]} "
+            f"(layout: {layout}); use method={head_config.method!r}"
+        )
+    head = EagleHead(head_config)
+    _load_tensors(head, state, layout)
+    return head
+
+
+def _load_tensors(head: EagleHead, state: dict[str, torch.Tensor], layout: str) -> None:
+    expected = head.state_dict()
+    optional = {"d2t", "t2d"}  # absent: identity map / every target id drafted
+    missing = sorted(set(expected) - set(state) - optional)
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"EAGLE checkpoint ({layout} layout) does not match the head its config describes: "
+            f"missing tensors {missing}, unexpected tensors {unexpected}"
+        )
+    for name, tensor in state.items():
+        want = expected[name]
+        if tuple(tensor.shape) != tuple(want.shape):
+            raise ValueError(
+                f"EAGLE checkpoint ({layout} layout): {name} has shape {tuple(tensor.shape)}, the config implies "
+                f"{tuple(want.shape)}"
+            )
+    state = dict(state)
+    if "t2d" in state:
+        state["t2d"] = state["t2d"].to(torch.bool)
+    elif "d2t" in state:
+        ids = state["d2t"].long() + torch.arange(state["d2t"].numel())
+        t2d = torch.zeros_like(expected["t2d"])
+        t2d[ids.clamp(max=t2d.numel() - 1)] = True
+        state["t2d"] = t2d
+    if "d2t" in state:
+        state["d2t"] = state["d2t"].to(torch.long)
+    head.load_state_dict(state, strict=False)
+
+
+def load_eagle_head(
+    source: str | os.PathLike, target: nn.Module | None = None, method: str | None = None
+) -> EagleHead:
+    """Load a head from a folder or Hub id, in any supported layout.
+
+    With `target`, the head is checked against it (ValueError naming what differs), moved to its
+    device and dtype, and borrows its embedding / lm_head where the checkpoint has none.
+    `method` ("eagle" / "eagle3"), when given, must match the checkpoint.
+    """
+    folder = resolve_head_folder(source)
+    config_file = folder / CONFIG_FILE
+    if not config_file.is_file():
+        raise ValueError(f"EAGLE head {str(source)!r} has no config.json")
+    config = json.loads(config_file.read_text())
+    head = head_from_checkpoint(config, read_state_dict(folder), method=method)
+    if target is not None:
+        head = head.to(device=target.device, dtype=target.dtype).bind_target(target)
+    return head.eval()

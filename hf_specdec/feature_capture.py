@@ -1,0 +1,125 @@
+"""Target hidden states for feature-level drafters (EAGLE, EAGLE-3), captured during the forwards
+the loop runs anyway: no second target pass, no `output_hidden_states` for every layer.
+
+Forward hooks sit only on the modules whose hidden states the drafter reads. Indices follow
+transformers' `hidden_states`: index i < L is the input of decoder layer i (a pre-hook on that
+layer), index L the output of the final norm (a hook on the norm), i.e. the lm_head input.
+
+Inside generate, each verify forward overwrites the capture; the loop then keeps, per row, only
+the positions that became accepted context (the pending token(s) and the accepted drafts) and
+hands them to the drafter at its next call (`ProposeRequest.target_features`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
+    """The decoder layers and final norm of a Llama-style causal LM (Llama, Mistral, Qwen2, Qwen3)."""
+    base = getattr(model, "model", None)
+    layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
+    if layers is None or norm is None:
+        raise ValueError(
+            f"cannot capture hidden states of {type(model).__name__}: expected model.model.layers and model.model.norm"
+        )
+    return layers, norm
+
+
+class TargetFeatureCapture:
+    """Hooks that record the hidden states at `layers` (transformers `hidden_states` indices).
+
+    Use as a context manager: hooks exist only inside it. `features()` is the last forward's
+    capture, the selected hidden states concatenated on the last dim. Inside generate the loop
+    calls `keep` / `drop` after each verify and `take` before each draft.
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[int]):
+        decoder_layers, norm = decoder_parts(model)
+        num_layers = len(decoder_layers)
+        self.layers = tuple(int(i) for i in layers)
+        for index in self.layers:
+            if not 0 <= index <= num_layers:
+                raise ValueError(f"hidden_states index {index} is outside [0, {num_layers}] for this model")
+        self._modules = {i: (norm if i == num_layers else decoder_layers[i]) for i in set(self.layers)}
+        self._num_layers = num_layers
+        self._captured: dict[int, torch.Tensor] = {}  # index -> [batch, tokens, H] of the last forward
+        self._pending: dict[int, torch.Tensor] = {}  # row -> [m, D] accepted since the drafter last asked
+        self._handles: list = []
+
+    def __enter__(self) -> TargetFeatureCapture:
+        for index, module in self._modules.items():
+            if index == self._num_layers:
+                handle = module.register_forward_hook(self._output_hook(index))
+            else:
+                handle = module.register_forward_pre_hook(self._input_hook(index), with_kwargs=True)
+            self._handles.append(handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._captured.clear()
+        self._pending.clear()
+
+    def _input_hook(self, index: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self._captured[index] = hidden.detach()
+
+        return hook
+
+    def _output_hook(self, index: int):
+        def hook(module, args, output):
+            self._captured[index] = (output[0] if isinstance(output, tuple) else output).detach()
+
+        return hook
+
+    # --- the last forward ------------------------------------------------------------------------
+    def features(self) -> torch.Tensor:
+        """`[batch, tokens, len(layers) * H]`: the last forward's hidden states, in `layers` order."""
+        missing = [i for i in self.layers if i not in self._captured]
+        if missing:
+            raise RuntimeError(f"no forward has run through the hooked modules yet (hidden_states {missing})")
+        return torch.cat([self._captured[i] for i in self.layers], dim=-1)
+
+    # --- per row, between verify and the next draft ----------------------------------------------
+    def keep(self, row: int, start: int, count: int) -> None:
+        """Row `row`'s tokens at packed positions [start, start + count) of the last forward were accepted."""
+        new = torch.cat([self._captured[i][0, start : start + count] for i in self.layers], dim=-1)
+        previous = self._pending.get(row)
+        # the drafter asks every step, so there is normally nothing left over to prepend
+        self._pending[row] = new if previous is None else torch.cat([previous, new])
+
+    def drop(self, row: int) -> None:
+        self._pending.pop(row, None)
+
+    def take(self, rows: Sequence[int]) -> list[torch.Tensor]:
+        """Each row's features accepted since the last call (`[0, 0]` when there are none yet)."""
+        empty = torch.empty(0, 0)
+        return [self._pending.pop(int(row), empty) for row in rows]
+
+
+def capture_for_proposer(model: nn.Module, proposer) -> contextlib.AbstractContextManager:
+    """A `TargetFeatureCapture` for drafters that declare `target_feature_layers`, else a no-op (None)."""
+    layers = getattr(proposer, "target_feature_layers", None)
+    if not layers:
+        return contextlib.nullcontext(None)
+    return TargetFeatureCapture(model, layers)
+
+
+def target_features(
+    model: nn.Module, input_ids: torch.Tensor, layers: Sequence[int], **forward_kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One plain target forward: (`[batch, tokens, len(layers) * H]` features, logits), e.g. to train a head.
+
+    The same hooks as inside generate, so a head trained on these sees exactly what it gets there.
+    """
+    with TargetFeatureCapture(model, layers) as capture:
+        logits = model(input_ids=input_ids, **forward_kwargs).logits
+        return capture.features(), logits

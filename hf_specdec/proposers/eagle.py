@@ -1,0 +1,245 @@
+"""EAGLE / EAGLE-3 drafter (seed §12.4.2): k greedy steps of a feature-level head.
+
+Per row the head keeps its own paged KV cache, one entry per context position i, holding the
+pair (target feature of position i, token i + 1). Each call:
+
+1. the loop hands over the features of the positions accepted by the last verify (m per row:
+   the pending token(s) and the accepted drafts); feature j belongs to position len-1-m+j and is
+   paired with token len-m+j. The row's head cache is rolled back to len-1-m first, which drops
+   the speculative entries of the previous call's rejected drafts;
+2. step 1 runs every row's m new pairs in one packed forward; the last position's output gives
+   draft 1;
+3. steps 2..k run one pair per row (the head's own output as the feature, the previous draft as
+   the token), every row in one forward; k == 1 returns after step 1.
+
+Drafts are argmax, so they are deterministic: `draft_probs=None` (one-hot q) keeps the
+rejection sampler exact in sampling mode (seed §12.2.3), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import numpy as np
+import torch
+
+from ..config import SpeculativeConfig
+from ..eagle_heads import EagleHead, load_eagle_head
+from ..feature_capture import decoder_parts
+from ..paged_attention import use_paged_attention
+from ..paged_cache import PagedKVCache
+from .base import DraftProposal, ProposeRequest
+
+_NO_DRAFTS = np.zeros(0, dtype=np.int64)
+# heads loaded from a folder / Hub id, per target, so repeated generate() calls load them once
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class EagleProposer:
+    """Drafts with an `EagleHead` bound to the target; `target_feature_layers` tells the loop what to capture."""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        target_model: torch.nn.Module,
+        num_speculative_tokens: int,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_length: int | None = None,
+    ):
+        """`head` must be bound to `target_model` (`EagleHead.bind_target`). The head's KV pool has
+        `num_blocks` blocks, or is sized at the first call from the rows and `max_length` (the
+        longest a row may get); without either it starts small. It doubles whenever it runs out.
+        """
+        self.head = head.eval()
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_length = max_length
+        decoder_layers, _ = decoder_parts(target_model)
+        self.target_feature_layers: tuple[int, ...] = head.feature_layers_for(len(decoder_layers))
+        self.cache: PagedKVCache | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: SpeculativeConfig, target_model: torch.nn.Module, max_length: int | None = None
+    ) -> EagleProposer:
+        """`config.model` is a loaded `EagleHead` (moved to the target's device / dtype and bound
+        to it), a folder or a Hub id (loaded once per target, source and method)."""
+        source = config.model
+        if isinstance(source, EagleHead):
+            if source.method != config.method:
+                raise ValueError(
+                    f"speculative_config.method={config.method!r} but the given head is an {source.method!r} head"
+                )
+            head = source.to(device=target_model.device, dtype=target_model.dtype).bind_target(target_model)
+        elif isinstance(source, (str, os.PathLike)):
+            loaded = _LOADED.setdefault(target_model, {})
+            key = (config.method, os.fspath(source))
+            if key not in loaded:
+                loaded[key] = load_eagle_head(source, target=target_model, method=config.method)
+            head = loaded[key]
+        else:
+            raise ValueError(
+                f"speculative_config.model must be a folder, a Hub id or an EagleHead for method={config.method!r}, "
+                f"got {type(source).__name__}"
+            )
+        return cls(
+            head,
+            target_model,
+            config.num_speculative_tokens,
+            block_size=config.block_size,
+            num_blocks=config.num_kv_blocks,
+            max_length=max_length,
+        )
+
+    # --- the Proposer protocol -------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, request: ProposeRequest) -> DraftProposal:
+        drafts = [_NO_DRAFTS] * len(request.rows)
+        features = request.target_features
+        if features is None:
+            return DraftProposal(draft_token_ids=drafts)
+        # rows without new features have never been verified yet (the prefill step): nothing to draft from
+        active = [i for i, f in enumerate(features) if f.shape[0] > 0]
+        if not active:
+            return DraftProposal(draft_token_ids=drafts)
+        head = self.head
+        device = head.fc.weight.device
+        rows = [int(request.rows[i]) for i in active]
+        lengths = [len(request.token_ids[i]) for i in active]
+        counts = [int(features[i].shape[0]) for i in active]
+        wanted = np.minimum(np.array([request.max_draft_tokens[i] for i in active], dtype=np.int64), self.k)
+        self._ensure_cache(lengths)
+
+        # 1. forget speculative entries, then the m new (feature, token) pairs of every row at once;
+        #    rows allowed no drafts still take this step, so their head cache stays in sync
+        for row, length, count in zip(rows, lengths, counts):
+            self._rollback(row, length - 1 - count)
+        tokens = np.concatenate([request.token_ids[i][n - m : n] for i, n, m in zip(active, lengths, counts)])
+        positions = np.concatenate([np.arange(n - 1 - m, n - 1) for n, m in zip(lengths, counts)])
+        hidden = self._forward(
+            rows,
+            counts,
+            torch.from_numpy(tokens.astype(np.int64)).to(device),
+            torch.cat([features[i] for i in active]).to(device=device, dtype=head.fc.weight.dtype),
+            torch.from_numpy(positions).to(device),
+            fuse_features=True,
+        )
+        drafting = np.flatnonzero(wanted >= 1)
+        out = np.zeros((len(active), self.k), dtype=np.int64)
+        if len(drafting):
+            last = np.cumsum(counts)[drafting] - 1  # each drafting row's last pair
+            hidden = hidden[torch.from_numpy(last).to(device)]
+            draft = self._greedy(hidden)
+            out[drafting, 0] = draft.cpu().numpy()
+
+        # 2..k: one (own output as feature, previous draft) pair per row still drafting
+        for step in range(1, int(wanted.max(initial=0))):
+            still = np.flatnonzero(wanted > step)
+            keep = torch.from_numpy(np.flatnonzero(np.isin(drafting, still))).to(device)
+            hidden, draft, drafting = hidden[keep], draft[keep], still
+            still_rows = [rows[j] for j in still]
+            positions = torch.tensor([self.cache.seq_lens[r] for r in still_rows], device=device)
+            hidden = self._forward(still_rows, [1] * len(still), draft, hidden, positions, fuse_features=False)
+            draft = self._greedy(hidden)
+            out[still, step] = draft.cpu().numpy()
+
+        for j, i in enumerate(active):
+            drafts[i] = out[j, : wanted[j]].copy()
+        return DraftProposal(draft_token_ids=drafts)
+
+    def release(self, rows: list[int]) -> None:
+        if self.cache is not None:
+            for row in rows:
+                self.cache.free_row(int(row))
+
+    # --- internals -------------------------------------------------------------------------------
+    def _forward(self, rows, counts, input_ids, features, positions, fuse_features: bool) -> torch.Tensor:
+        """One packed head forward over `counts[i]` new pairs of each row; returns `[tokens, H]`."""
+        self._grow_if_needed(rows, counts)
+        metadata = self.cache.prepare_forward(rows, list(counts))
+        with use_paged_attention(self.head):
+            hidden = self.head(
+                input_ids[None],
+                features[None],
+                positions[None],
+                fuse_features=fuse_features,
+                cache=self.cache,
+                paged_metadata=metadata,
+            )
+        return hidden[0]
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head.compute_logits(hidden)
+        return self.head.draft_to_target(logits.argmax(dim=-1))
+
+    def _rollback(self, row: int, num_tokens: int) -> None:
+        held = self.cache.seq_lens.get(row)
+        if held is None:
+            if num_tokens != 0:
+                raise RuntimeError(
+                    f"EAGLE drafter: row {row} arrives with features from position {num_tokens} on, but the head "
+                    "never saw the positions before (the loop must pass every accepted position's features)"
+                )
+            return
+        if held < num_tokens:
+            raise RuntimeError(f"EAGLE drafter: row {row} holds {held} head positions, needs {num_tokens}")
+        self.cache.rollback(row, num_tokens)
+
+    def _ensure_cache(self, lengths: list[int]) -> None:
+        if self.cache is not None:
+            return
+        num_blocks = self.num_blocks
+        if num_blocks is None:
+            if self.max_length is not None:
+                # a row's head cache holds one entry per context position and its drafts: at most max_length + k
+                num_blocks = len(lengths) * -(-(max(self.max_length, *lengths) + self.k) // self.block_size)
+            else:
+                num_blocks = 2 * sum(-(-(n + 2 * self.k) // self.block_size) for n in lengths)
+        config = self.head.config
+        self.cache = PagedKVCache(
+            num_layers=len(self.head.layers),
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=self.head.layers[0].self_attn.head_dim,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            dtype=self.head.fc.weight.dtype,
+            device=self.head.fc.weight.device,
+        )
+
+    def _grow_if_needed(self, rows: list[int], counts: list[int]) -> None:
+        """A pool too small for this forward is replaced by one twice as large, rows copied over.
+
+        The drafter does not know the request's length up front (the loop sizes the target's pool),
+        so its pool grows instead; doubling keeps the copies amortised O(1) per token.
+        """
+        cache = self.cache
+        needed = sum(
+            max(0, cache.blocks_for(cache.seq_lens.get(r, 0) + n) - len(cache.block_tables.get(r, [])))
+            for r, n in zip(rows, counts)
+        )
+        free = cache.allocator.num_free
+        if needed <= free:
+            return
+        total = cache.allocator.num_blocks
+        bigger = PagedKVCache(
+            num_layers=len(cache.layers),
+            num_kv_heads=cache.layers[0].keys.shape[-2],
+            head_dim=cache.layers[0].keys.shape[-1],
+            num_blocks=max(2 * total, total - free + needed),
+            block_size=cache.block_size,
+            dtype=cache.layers[0].keys.dtype,
+            device=cache.device,
+        )
+        for row, table in cache.block_tables.items():
+            new_table = bigger.allocator.allocate(len(table))
+            old_ids = torch.tensor(table, device=cache.device)
+            new_ids = torch.tensor(new_table, device=cache.device)
+            for old_layer, new_layer in zip(cache.layers, bigger.layers):
+                new_layer.keys[new_ids] = old_layer.keys[old_ids]
+                new_layer.values[new_ids] = old_layer.values[old_ids]
+            bigger.block_tables[row] = new_table
+            bigger.seq_lens[row] = cache.seq_lens[row]
+        self.cache = bigger
