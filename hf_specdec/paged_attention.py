@@ -42,14 +42,19 @@ def paged_attention_forward(
         raise RuntimeError(f"attention '{ATTENTION_NAME}' needs `paged_metadata` (it runs only inside hf_specdec)")
     meta = paged_metadata
     num_rows, max_query_len = meta.query_valid.shape
-    num_kv_heads, head_dim = key.shape[-2:]
+    if meta.kv_gathered:  # MLA: per-row keys / values [rows, heads, S, dim]; values may be narrower
+        num_kv_heads, head_dim = key.shape[1], query.shape[-1]
+    else:
+        num_kv_heads, head_dim = key.shape[-2:]
     if meta.query_index is None:  # one row: the packed layout is already [1, heads, tokens, dim]
         queries = query
     else:
         queries = query[0].transpose(0, 1).index_select(0, meta.query_index)
         queries = queries.view(num_rows, max_query_len, -1, head_dim).transpose(1, 2)
 
-    if meta.contiguous_kv is not None:
+    if meta.kv_gathered:
+        keys, values = key, value
+    elif meta.contiguous_kv is not None:
         start, length = meta.contiguous_kv
         keys = key.view(-1, num_kv_heads, head_dim)[start : start + length][None].transpose(1, 2)
         values = value.view(-1, num_kv_heads, head_dim)[start : start + length][None].transpose(1, 2)

@@ -76,6 +76,9 @@ class PagedAttentionMetadata:
     # blocks are handed out lowest id first): (first slot, length) lets attention read the pool
     # in place instead of gathering.
     contiguous_kv: tuple[int, int] | None = None
+    # MLA caches (paged_mla.py) hand attention each row's keys / values already gathered,
+    # [rows, heads, S, dim], instead of the pool
+    kv_gathered: bool = False
     # gather buffers, allocated by the first layer and reused by the others
     scratch: dict = field(default_factory=dict)
 
@@ -150,6 +153,10 @@ class PagedKVCache(Cache):
         cls, model: torch.nn.Module, num_blocks: int, block_size: int = 16, num_layers: int | None = None
     ) -> PagedKVCache:
         config = model.config.get_text_config()
+        if cls is PagedKVCache and getattr(config, "kv_lora_rank", None) is not None:
+            from .paged_mla import PagedMLACache  # MLA (DeepSeek) caches latents: paged_mla.py
+
+            return PagedMLACache.for_model(model, num_blocks, block_size, num_layers)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return cls(

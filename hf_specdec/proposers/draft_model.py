@@ -21,7 +21,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from ..paged_attention import use_paged_attention
 from ..paged_cache import PagedAttentionMetadata, PagedKVCache
 from .base import DraftProposal, ProposeRequest
-from .drafting import DraftSampling, DraftTokenPicker, autoregressive_drafts, stack_draft_probs
+from .drafting import (
+    DraftSampling,
+    DraftTokenPicker,
+    autoregressive_drafts,
+    drafter_pool_blocks,
+    stack_draft_probs,
+)
 
 # drafts loaded from a path / Hub id, per target, so repeated generate() calls load them once
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -167,12 +173,9 @@ class DraftModelProposer:
 
     def _ensure_cache(self, token_ids: list[np.ndarray]) -> PagedKVCache:
         if self.cache is None:
-            num_blocks = self.num_blocks
-            if num_blocks is None:
-                # first call: every row is present with its prompt; a row never holds more than
-                # prompt + new tokens + k (the drafts of its last step)
-                max_new = max(self.max_length - max(len(t) for t in token_ids), 0)
-                num_blocks = sum(-(-(len(t) + max_new + self.k + 1) // self.block_size) for t in token_ids)
+            num_blocks = self.num_blocks or drafter_pool_blocks(
+                token_ids, self.max_length, self.k, self.block_size
+            )
             self.cache = PagedKVCache.for_model(self.model, num_blocks=num_blocks, block_size=self.block_size)
         return self.cache
 

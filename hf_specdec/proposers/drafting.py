@@ -107,6 +107,15 @@ class DraftTokenPicker:
             self._generators.pop(int(row), None)
 
 
+def drafter_pool_blocks(token_ids: Sequence[np.ndarray], max_length: int, k: int, block_size: int) -> int:
+    """Blocks for a drafter's own KV pool, sized at its first call (every row present with its prompt).
+
+    A row's drafter cache never holds more than its prompt + new tokens + k (its last step's drafts).
+    """
+    max_new = max(max_length - max(len(t) for t in token_ids), 0)
+    return sum(-(-(len(t) + max_new + k + 1) // block_size) for t in token_ids)
+
+
 def autoregressive_drafts(
     forward: DraftForward,
     cache: PagedKVCache,
