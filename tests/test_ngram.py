@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import build_tiny_llama
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers import NgramProposer, ProposeRequest, build_proposer
@@ -116,8 +117,9 @@ def test_build_proposer_uses_config():
     assert (proposer.k, proposer.min_n, proposer.max_n) == (4, 2, 3)
     assert propose_one(proposer, [1, 2, 3, 4, 2, 3]) == [4, 2, 3]
     proposer.release([0])  # stateless, but part of the protocol
-    with pytest.raises(NotImplementedError, match="mtp"):
-        build_proposer(SpeculativeConfig(method="mtp"), target_model=None)
+    # every method is implemented now; one that does not fit the target says why
+    with pytest.raises(ValueError, match="num_mtp_layers"):
+        build_proposer(SpeculativeConfig(method="mtp"), target_model=build_tiny_llama())
 
 
 @pytest.mark.parametrize("vocab", (2, 3, 5, 12))

@@ -44,6 +44,18 @@ def build_proposer(config: SpeculativeConfig, target_model, generation_config=No
             max_length=generation_config.max_length if generation_config is not None else None,
             output_device=target_model.device,
         )
+    if config.method == "mtp":
+        from .mtp import MtpProposer, load_mtp_model  # imports transformers' MtpModel: only when used
+
+        return MtpProposer(
+            target_model,
+            load_mtp_model(config.model, target_model),
+            config.num_speculative_tokens,
+            DraftSampling.from_generate(generation_config, logits_processor, config),
+            block_size=config.block_size,
+            num_blocks=config.num_kv_blocks,
+            max_length=generation_config.max_length if generation_config is not None else None,
+        )
     if config.method in ("eagle", "eagle3"):
         from .eagle import EagleProposer  # imports transformers' Llama modules: only when used
 
@@ -51,5 +63,5 @@ def build_proposer(config: SpeculativeConfig, target_model, generation_config=No
         return EagleProposer.from_config(config, target_model, max_length=max_length)
     raise NotImplementedError(
         f"speculative_config.method={config.method!r} is not implemented yet; "
-        "available: 'ngram', 'draft_model', 'layer_skip', 'eagle', 'eagle3'"
+        "available: 'ngram', 'draft_model', 'layer_skip', 'mtp', 'eagle', 'eagle3'"
     )
