@@ -30,6 +30,7 @@ from ..feature_capture import decoder_parts
 from ..paged_attention import use_paged_attention
 from ..paged_cache import PagedKVCache
 from .base import DraftProposal, ProposeRequest
+from .drafting import drafter_pool_blocks
 
 _NO_DRAFTS = np.zeros(0, dtype=np.int64)
 # heads loaded from a folder / Hub id, per target, so repeated generate() calls load them once
@@ -111,7 +112,7 @@ class EagleProposer:
         lengths = [len(request.token_ids[i]) for i in active]
         counts = [int(features[i].shape[0]) for i in active]
         wanted = np.minimum(np.array([request.max_draft_tokens[i] for i in active], dtype=np.int64), self.k)
-        self._ensure_cache(lengths)
+        self._ensure_cache([request.token_ids[i] for i in active])
 
         # 1. forget speculative entries, then the m new (feature, token) pairs of every row at once;
         #    rows allowed no drafts still take this step, so their head cache stays in sync
@@ -188,16 +189,17 @@ class EagleProposer:
             raise RuntimeError(f"EAGLE drafter: row {row} holds {held} head positions, needs {num_tokens}")
         self.cache.rollback(row, num_tokens)
 
-    def _ensure_cache(self, lengths: list[int]) -> None:
+    def _ensure_cache(self, token_ids: list[np.ndarray]) -> None:
         if self.cache is not None:
             return
         num_blocks = self.num_blocks
         if num_blocks is None:
             if self.max_length is not None:
-                # a row's head cache holds one entry per context position and its drafts: at most max_length + k
-                num_blocks = len(lengths) * -(-(max(self.max_length, *lengths) + self.k) // self.block_size)
+                # a row's head cache holds one pair per context position and its drafts: what a
+                # draft model's cache holds at most
+                num_blocks = drafter_pool_blocks(token_ids, self.max_length, self.k, self.block_size)
             else:
-                num_blocks = 2 * sum(-(-(n + 2 * self.k) // self.block_size) for n in lengths)
+                num_blocks = 2 * sum(-(-(len(t) + 2 * self.k) // self.block_size) for t in token_ids)
         config = self.head.config
         self.cache = PagedKVCache(
             num_layers=len(self.head.layers),
