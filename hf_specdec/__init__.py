@@ -9,12 +9,14 @@ or, without patching: `model.generate(**inputs, custom_generate=hf_specdec.gener
 
 from .config import SpeculativeConfig
 from .decoding import SpeculativeGenerateOutput, generate
+from .eagle_heads import EagleHead, load_eagle_head
 from .integration import disable, enable
 from .metrics import SpecDecodeMetrics
 from .paged_cache import CacheExhaustedError, PagedKVCache
 
 __all__ = [
     "CacheExhaustedError",
+    "EagleHead",
     "PagedKVCache",
     "SpecDecodeMetrics",
     "SpeculativeConfig",
@@ -22,5 +24,6 @@ __all__ = [
     "disable",
     "enable",
     "generate",
+    "load_eagle_head",
 ]
 __version__ = "0.1.0"
