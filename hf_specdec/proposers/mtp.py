@@ -191,7 +191,16 @@ class MtpProposer:
             draft_token_ids=draft_arrays, draft_probs=stack_draft_probs(per_row_probs, self.device)
         )
 
-    def _draft(self, rows, contexts, drafting, max_draft, drafts, probs) -> None:
+    def _draft(
+        self,
+        rows: list[int],
+        contexts: list[np.ndarray],
+        drafting: list[int],
+        max_draft: list[int],
+        drafts: list[list[int]],
+        probs: list[list[torch.Tensor]],
+    ) -> None:
+        """Fill `drafts` / `probs` for the rows at indices `drafting`; the MTP cache keeps only real entries."""
         cache = self.cache
         # 1. the real entries: positions held+1..n-1, token p with the target's hidden state at p - 1
         active_rows = [rows[i] for i in drafting]
