@@ -117,6 +117,8 @@ class EagleProposer:
         # 1. forget speculative entries, then the m new (feature, token) pairs of every row at once;
         #    rows allowed no drafts still take this step, so their head cache stays in sync
         for row, length, count in zip(rows, lengths, counts):
+            if count > length - 1:
+                raise RuntimeError(f"EAGLE drafter: row {row} got {count} features for a context of {length} tokens")
             self._rollback(row, length - 1 - count)
         tokens = np.concatenate([request.token_ids[i][n - m : n] for i, n, m in zip(active, lengths, counts)])
         positions = np.concatenate([np.arange(n - 1 - m, n - 1) for n, m in zip(lengths, counts)])
@@ -129,12 +131,13 @@ class EagleProposer:
             fuse_features=True,
         )
         drafting = np.flatnonzero(wanted >= 1)
-        out = np.zeros((len(active), self.k), dtype=np.int64)
+        # drafts stay on the device until every step ran: one transfer, not one sync per step
+        out = torch.zeros((len(active), self.k), dtype=torch.long, device=device)
         if len(drafting):
             last = np.cumsum(counts)[drafting] - 1  # each drafting row's last pair
             hidden = hidden[torch.from_numpy(last).to(device)]
             draft = self._greedy(hidden)
-            out[drafting, 0] = draft.cpu().numpy()
+            out[torch.from_numpy(drafting).to(device), 0] = draft
 
         # 2..k: one (own output as feature, previous draft) pair per row still drafting
         for step in range(1, int(wanted.max(initial=0))):
@@ -145,8 +148,9 @@ class EagleProposer:
             positions = torch.tensor([self.cache.seq_lens[r] for r in still_rows], device=device)
             hidden = self._forward(still_rows, [1] * len(still), draft, hidden, positions, fuse_features=False)
             draft = self._greedy(hidden)
-            out[still, step] = draft.cpu().numpy()
+            out[torch.from_numpy(still).to(device), step] = draft
 
+        out = out.cpu().numpy()
         for j, i in enumerate(active):
             drafts[i] = out[j, : wanted[j]].copy()
         return DraftProposal(draft_token_ids=drafts)
