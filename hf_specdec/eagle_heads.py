@@ -265,6 +265,7 @@ class EagleHead(nn.Module):
 
         The decoder layers copy the target's attention / MLP sizes. `draft_vocab` (EAGLE-3): the
         target ids the draft vocabulary covers, in draft-id order; None = the whole vocabulary.
+        `seed` makes the initialisation reproducible without touching the global RNG.
         """
         text = target.config.get_text_config()
         decoder = LlamaConfig(
@@ -291,13 +292,18 @@ class EagleHead(nn.Module):
             )
         else:
             draft_ids = None
+            # the authors' EAGLE-1/2 choices: fc with bias, no input_layernorm on layer 0
             head_config = EagleHeadConfig(
-                method=method, decoder=decoder, target_hidden_size=text.hidden_size, fc_bias=True,
+                method=method,
+                decoder=decoder,
+                target_hidden_size=text.hidden_size,
+                fc_bias=True,
                 first_layer_input_norm=False,
             )
-        if seed is not None:
-            torch.manual_seed(seed)
-        head = cls(head_config)
+        with torch.random.fork_rng(devices=[]):  # a seed here leaves the caller's RNG alone
+            if seed is not None:
+                torch.manual_seed(seed)
+            head = cls(head_config)
         if draft_ids is not None:
             head.set_draft_vocab(draft_ids)
         return head.to(dtype=target.dtype, device=target.device).bind_target(target).eval()
