@@ -12,10 +12,17 @@ when every draft passed, otherwise a recovered token at the first rejected posit
 
 Random numbers come in as arguments (`RandomDraws`), drawn from one generator per row, so the
 GPU kernels can be checked against this reference on the same draws and seeded runs reproduce.
+
+`rejection_sample` is the one entry point: CUDA tensors go to the Triton kernels
+(`hf_specdec.kernels.rejection`), CPU tensors to `rejection_sample_reference` below; the
+environment variable `HF_SPECDEC_REJECTION_BACKEND` overrides the choice. Both read the target
+probabilities from `target_probabilities`, so given the same draws they emit the same tokens.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +30,9 @@ import torch
 from .metadata import SpecDecodeMetadata
 
 PLACEHOLDER_TOKEN_ID = -1
+BACKEND_ENV_VAR = "HF_SPECDEC_REJECTION_BACKEND"
+BACKENDS = ("auto", "triton", "torch")
+NOISE_FLOOR = 1e-20  # the exponential race divides by E ~ Exp(1): a draw of 0 must not divide by zero
 
 
 @dataclass
@@ -43,10 +53,40 @@ def draw_random(
     start = 0
     for row, (generator, count) in enumerate(zip(generators, metadata.num_draft_tokens)):
         if generator is not None:
-            uniform[start : start + count] = torch.rand(count, generator=generator, device=device)
-            exponential[row].exponential_(generator=generator)
+            # drawn where the generator lives (a CPU generator cannot fill a CUDA tensor), then copied
+            uniform[start : start + count] = torch.rand(count, generator=generator, device=generator.device)
+            noise = torch.empty(vocab_size, device=generator.device)
+            exponential[row] = noise.exponential_(generator=generator)
         start += count
     return RandomDraws(uniform=uniform, exponential=exponential)
+
+
+def target_probabilities(logits: torch.Tensor, is_greedy: torch.Tensor) -> torch.Tensor | None:
+    """p = softmax of every logits row, or None when every row is greedy (no p is needed).
+
+    Both backends take p from here: a softmax computed another way (another summation order)
+    can differ in the last bit, and that is enough to flip an accept test or a race now and then.
+    """
+    if bool(is_greedy.all()):
+        return None
+    return torch.softmax(logits, dim=-1)
+
+
+def rejection_backend(device: torch.device) -> str:
+    """The implementation `rejection_sample` runs for tensors on `device`: "triton" or "torch".
+
+    `$HF_SPECDEC_REJECTION_BACKEND`, read at every call: "auto" (the default) runs the Triton
+    kernels on CUDA tensors when triton is installed and the reference otherwise; "triton" and
+    "torch" force one. Forcing "triton" for CPU tensors needs TRITON_INTERPRET=1 in the
+    environment before the kernels are first imported (Triton's interpreter; for tests).
+    """
+    choice = os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV_VAR}={choice!r} is not a backend; allowed: {', '.join(BACKENDS)}")
+    if choice == "auto":
+        kernels_usable = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        return "triton" if kernels_usable else "torch"
+    return choice
 
 
 def rejection_sample(
@@ -56,7 +96,25 @@ def rejection_sample(
     draws: RandomDraws | None = None,
     draft_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept / reject every row's drafts.
+    """Accept / reject every row's drafts on the backend `rejection_backend` picks.
+
+    Arguments and results are those of `rejection_sample_reference`.
+    """
+    if rejection_backend(logits.device) == "triton":
+        from hf_specdec.kernels.rejection import rejection_sample_triton  # triton is optional: import on use
+
+        return rejection_sample_triton(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs)
+    return rejection_sample_reference(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs)
+
+
+def rejection_sample_reference(
+    metadata: SpecDecodeMetadata,
+    logits: torch.Tensor,
+    is_greedy: torch.Tensor,
+    draws: RandomDraws | None = None,
+    draft_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept / reject every row's drafts, in PyTorch.
 
     Args:
         metadata: the step's ragged drafts.
@@ -71,18 +129,19 @@ def rejection_sample(
         padded with -1; num_accepted `[rows]`: drafts accepted per row.
     """
     num_rows, device = metadata.num_rows, logits.device
+    is_greedy = is_greedy.to(device)
     draft_ids = metadata.draft_token_ids
     num_draft = torch.tensor(metadata.num_draft_tokens, device=device)
     first_draft = metadata.cu_num_draft_tokens - num_draft  # flat index of each row's first draft
-    sampled_any = not bool(is_greedy.all())
+    target_probs = target_probabilities(logits, is_greedy)
+    sampled_any = target_probs is not None
     if sampled_any and draws is None:
         raise ValueError("rejection_sample needs random draws for sampled rows")
 
     # 1. does each draft pass on its own?
-    draft_logits = logits[metadata.target_logits_indices]
-    passes = draft_ids == draft_logits.argmax(dim=-1)
+    passes = draft_ids == logits[metadata.target_logits_indices].argmax(dim=-1)
     if sampled_any:
-        target_p = torch.softmax(draft_logits, dim=-1).gather(1, draft_ids[:, None])[:, 0]
+        target_p = target_probs[metadata.target_logits_indices, draft_ids]
         draft_q = 1.0 if draft_probs is None else draft_probs.gather(1, draft_ids[:, None])[:, 0]
         is_greedy_draft = torch.repeat_interleave(is_greedy, num_draft)
         passes = torch.where(is_greedy_draft, passes, draws.uniform * draft_q < target_p)
@@ -94,10 +153,10 @@ def rejection_sample(
     num_accepted = (in_row & passes[grid_index]).to(torch.int64).cumprod(dim=1).sum(dim=1)
 
     # 3. one extra token per row: at the first rejected position, or at the bonus position
-    extra_logits = logits[metadata.bonus_logits_indices - num_draft + num_accepted]
-    extra_tokens = extra_logits.argmax(dim=-1)
+    extra_index = metadata.bonus_logits_indices - num_draft + num_accepted
+    extra_tokens = logits[extra_index].argmax(dim=-1)
     if sampled_any:
-        weights = torch.softmax(extra_logits, dim=-1)
+        weights = target_probs[extra_index]
         rejected = num_accepted < num_draft
         if bool(rejected.any()):
             rejected_draft = torch.where(rejected, first_draft + num_accepted, 0)
@@ -106,7 +165,7 @@ def rejection_sample(
             else:
                 residual = (weights - draft_probs[rejected_draft]).clamp_min(0.0)
             weights = torch.where(rejected[:, None], residual, weights)
-        sampled_extra = (weights / draws.exponential.clamp_min(1e-20)).argmax(dim=-1)
+        sampled_extra = (weights / draws.exponential.clamp_min(NOISE_FLOOR)).argmax(dim=-1)
         extra_tokens = torch.where(is_greedy, extra_tokens, sampled_extra)
 
     output = torch.full(

@@ -6,11 +6,16 @@ runs stable when the machine is busy).
 
 from __future__ import annotations
 
+import os
 import random
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+# Triton reads TRITON_INTERPRET when it is imported (transformers' model code imports it), and the
+# kernel tests (test_rejection_kernels.py) run Triton's CPU interpreter: set it before that happens.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 torch.set_num_threads(1)
 
