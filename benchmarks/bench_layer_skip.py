@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--exit-layers", type=int, nargs="+", default=[4, 8, 12])
     parser.add_argument("--k", type=int, default=4, help="our num_speculative_tokens")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
     parser.add_argument("--out", default="results/bench_layer_skip.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
