@@ -483,7 +483,7 @@ def resolve_head_folder(source: str | os.PathLike) -> Path:
 
     try:
         return Path(
-            snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors", "*.bin"])
+            snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors", "pytorch_model*.bin"])
         )
     except Exception as error:  # noqa: BLE001 - every failure to find it means the same to the user
         raise ValueError(
@@ -502,7 +502,7 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
         for file in safetensors:
             state.update(load_file(str(file)))
         return state
-    bins = sorted(folder.glob("*.bin"))
+    bins = sorted(folder.glob("pytorch_model*.bin"))
     if not bins:
         raise ValueError(f"no weights in {str(folder)!r}: expected *.safetensors or pytorch_model.bin")
     state = {}
