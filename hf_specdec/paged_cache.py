@@ -198,7 +198,7 @@ class PagedKVCache(Cache):
         if num_tokens > self.seq_lens.get(row, 0):
             raise ValueError(f"cannot roll row {row} forward to {num_tokens} tokens (holds {self.seq_lens.get(row, 0)})")
         self.seq_lens[row] = num_tokens
-        table = self.block_tables[row]
+        table = self.block_tables.setdefault(row, [])
         keep = self.blocks_for(num_tokens)
         if len(table) > keep:
             self.allocator.free(table[keep:])
