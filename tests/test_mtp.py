@@ -9,7 +9,6 @@ passes the next token's embedding through. Drafts are then accepted and rejected
 
 from __future__ import annotations
 
-import copy
 import os
 
 import numpy as np
@@ -74,6 +73,13 @@ def build_pair(config: DeepseekV3Config, seed: int = 0) -> tuple[DeepseekV3ForCa
             layer.mlp.down_proj.weight.mul_(scale)
 
     with torch.no_grad():
+        # MtpModel's own init leaves DeepSeek's fused expert tensors as torch.empty (its generic
+        # _init_weights does not know them): initialize every MTP parameter here
+        for name, parameter in mtp.layers.named_parameters():
+            parameter.fill_(1.0) if "norm" in name else parameter.normal_(0.0, config.initializer_range)
+        for name, buffer in mtp.layers.named_buffers():
+            if "e_score_correction_bias" in name:
+                buffer.zero_()
         for layer in target.model.layers:
             weaken(layer)
         weaken(mtp.layers[0].mtp_block)
@@ -84,35 +90,39 @@ def build_pair(config: DeepseekV3Config, seed: int = 0) -> tuple[DeepseekV3ForCa
 
 
 def save_with_mtp_weights(target: DeepseekV3ForCausalLM, mtp: MtpModel, folder: str) -> None:
-    """The target's checkpoint plus the MTP layer as DeepSeek stores it (`model.layers.{L}.*`)."""
+    """The target's checkpoint plus the MTP layer as DeepSeek stores it (`model.layers.{L}.*`,
+    experts one by one: `mlp.experts.{e}.gate_proj / up_proj / down_proj.weight`)."""
     target.save_pretrained(folder)
-    # the MTP block is a decoder layer like layer L-1 (MoE): save it in that slot to get the
-    # checkpoint key format (per-expert weights), then move it to slot L
-    carrier = copy.deepcopy(target)
-    carrier.model.layers[NUM_LAYERS - 1].load_state_dict(mtp.layers[0].mtp_block.state_dict())
-    carrier_folder = os.path.join(folder, "carrier")
-    carrier.save_pretrained(carrier_folder)
-    source, destination = f"model.layers.{NUM_LAYERS - 1}.", f"model.layers.{NUM_LAYERS}."
     weights = load_file(os.path.join(folder, "model.safetensors"))
-    for name, value in load_file(os.path.join(carrier_folder, "model.safetensors")).items():
-        if name.startswith(source):
-            weights[name.replace(source, destination)] = value
+    prefix = f"model.layers.{NUM_LAYERS}."
     layer = mtp.layers[0]
+    for name, value in layer.mtp_block.state_dict().items():
+        if name == "mlp.experts.gate_up_proj":  # [experts, 2 * intermediate, hidden]: gate rows, then up rows
+            gate, up = value.chunk(2, dim=1)
+            for expert in range(value.shape[0]):
+                weights[f"{prefix}mlp.experts.{expert}.gate_proj.weight"] = gate[expert].clone()
+                weights[f"{prefix}mlp.experts.{expert}.up_proj.weight"] = up[expert].clone()
+        elif name == "mlp.experts.down_proj":  # [experts, hidden, intermediate]
+            for expert in range(value.shape[0]):
+                weights[f"{prefix}mlp.experts.{expert}.down_proj.weight"] = value[expert].clone()
+        else:
+            weights[prefix + name] = value.clone()
     for name, parameter in (
         ("enorm", layer.enorm.weight),
         ("hnorm", layer.hnorm.weight),
         ("eh_proj", layer.eh_proj.weight),
         ("shared_head.norm", layer.post_norm.weight),
     ):
-        weights[f"{destination}{name}.weight"] = parameter.detach().clone().contiguous()
-    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        weights[f"{prefix}{name}.weight"] = parameter.detach().clone()
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(folder, "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """The DeepSeek-V3 target loaded from its checkpoint (MTP weights read from there on demand)."""
     folder = str(tmp_path_factory.mktemp("deepseek_mtp"))
-    save_with_mtp_weights(*build_pair(deepseek_config()), folder)
+    built_target, built_mtp = build_pair(deepseek_config())
+    save_with_mtp_weights(built_target, built_mtp, folder)
     with pytest.MonkeyPatch.context() as patch:
         # transformers finds DeepSeek's MTP weights by this pattern, written for the 61-layer model
         patch.setattr(
@@ -121,6 +131,10 @@ def target(tmp_path_factory):
             [rf"model\.layers\.{NUM_LAYERS}.*"],
         )
         model = DeepseekV3ForCausalLM.from_pretrained(folder).eval()
+        # the checkpoint round-trips: what transformers loads is the MTP layer we built
+        loaded = MtpModel.from_pretrained(model).state_dict()
+        for name, value in built_mtp.state_dict().items():
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
         yield hf_specdec.enable(model)
 
 
