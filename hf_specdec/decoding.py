@@ -106,15 +106,13 @@ def generate(
     state = _initial_state(input_ids, model_kwargs.get("attention_mask"), generation_config, stopping_criteria)
     stop_checker = StopChecker(stopping_criteria)
     sampling = _sampling_state(generation_config, config, input_ids.shape[0], model.device)
-    proposer = build_proposer(config, model, generation_config, logits_processor)
     max_new_tokens = state.max_length - input_ids.shape[1]
     prompt_lens = state.seq_lens - state.pad_lens
     num_blocks = config.num_kv_blocks or sum(
         -(-(int(length) + max_new_tokens + 1) // config.block_size) for length in prompt_lens
     )
     cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=config.block_size)
-    if hasattr(proposer, "bind_target_cache"):  # layer_skip drafts on the target's own cache
-        proposer.bind_target_cache(cache)
+    proposer = build_proposer(config, model, generation_config, logits_processor, target_cache=cache)
 
     metrics = SpecDecodeMetrics()
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..config import SpeculativeConfig
+from ..paged_cache import PagedKVCache
 from .base import DraftProposal, Proposer, ProposeRequest
 from .draft_model import DraftModelProposer, check_draft_compatible, load_draft_model
 from .drafting import DraftSampling
@@ -21,18 +22,30 @@ __all__ = [
 ]
 
 
-def build_proposer(config: SpeculativeConfig, target_model, generation_config=None, logits_processor=None) -> Proposer:
+def build_proposer(
+    config: SpeculativeConfig,
+    target_model,
+    generation_config=None,
+    logits_processor=None,
+    target_cache: PagedKVCache | None = None,
+) -> Proposer:
     """The drafter `config.method` names, ready for `target_model`.
 
     Drafters that run a model sample their drafts when `generation_config.do_sample`, warped by
     the position-free processors of `logits_processor` (see `drafting.py`); greedy otherwise.
+    `target_cache`: the loop's `PagedKVCache` for the target, which layer_skip drafts on (required
+    there, unused by the other drafters).
     """
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method in ("draft_model", "layer_skip"):
         sampling = DraftSampling.from_generate(generation_config, logits_processor, config)
         if config.method == "layer_skip":
-            return LayerSkipProposer(target_model, config.early_exit_layer, config.num_speculative_tokens, sampling)
+            if target_cache is None:
+                raise ValueError("build_proposer: method='layer_skip' drafts on the target's cache; pass target_cache")
+            return LayerSkipProposer(
+                target_model, target_cache, config.early_exit_layer, config.num_speculative_tokens, sampling
+            )
         draft = load_draft_model(config.model, target_model)
         check_draft_compatible(draft, target_model)
         return DraftModelProposer(

@@ -42,8 +42,8 @@ class Proposer(Protocol):
     """Optionally, `target_feature_layers: tuple[int, ...]` (transformers `hidden_states` indices
     of the target, L = the final norm's output): the loop then captures those hidden states during
     its forwards and passes them in `ProposeRequest.target_features` (see `feature_capture.py`).
-    Optionally, `bind_target_cache(cache)`: the loop hands over the target's `PagedKVCache` before
-    the first step (layer_skip drafts on it; it must give every row back at its length).
+    A drafter that drafts on the target's own `PagedKVCache` (layer_skip) gets it when built
+    (`build_proposer(..., target_cache=)`) and must give every row back at its length.
     """
 
     def propose(self, request: ProposeRequest) -> DraftProposal: ...

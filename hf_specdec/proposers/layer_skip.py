@@ -69,27 +69,22 @@ def early_exit(model: PreTrainedModel, num_layers: int) -> Iterator[None]:
 
 
 class LayerSkipProposer:
-    """Drafts with the target's first `early_exit_layer` layers, on the target's own KV cache.
-
-    The loop hands over its cache with `bind_target_cache` before the first step.
-    """
+    """Drafts with the target's first `early_exit_layer` layers, on `target_cache`: the loop's own
+    KV cache, which the draft shares for layers 0..N-1 (see the module docstring)."""
 
     def __init__(
         self,
         model: PreTrainedModel,
+        target_cache: PagedKVCache,
         early_exit_layer: int,
         num_speculative_tokens: int,
         sampling: DraftSampling | None = None,
     ):
         self.model = model
+        self.cache = target_cache
         self.early_exit_layer = check_early_exit_layer(model, early_exit_layer)
         self.k = num_speculative_tokens
         self.picker = DraftTokenPicker(sampling or DraftSampling(), model.device)
-        self.cache: PagedKVCache | None = None
-
-    def bind_target_cache(self, cache: PagedKVCache) -> None:
-        """The target's cache, which the draft shares for layers 0..N-1 (see the module docstring)."""
-        self.cache = cache
 
     def _forward(
         self,
@@ -108,10 +103,6 @@ class LayerSkipProposer:
         ).logits[0]
 
     def propose(self, request: ProposeRequest) -> DraftProposal:
-        if self.cache is None:
-            raise RuntimeError(
-                "LayerSkipProposer needs the target's cache: call bind_target_cache(cache) first"
-            )
         max_draft = [min(int(m), self.k) for m in request.max_draft_tokens]
         # the target cache holds each row's first L tokens (all accepted); the draft feeds the rest
         held = {row: self.cache.seq_lens.get(row, 0) for row in request.rows}
