@@ -103,8 +103,8 @@ def generate(
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("streamer is supported at batch size 1 only (as transformers' streamers)")
 
-    state = _initial_state(input_ids, model_kwargs.get("attention_mask"), generation_config, stopping_criteria)
     stop_checker = StopChecker(stopping_criteria)
+    state = _initial_state(input_ids, model_kwargs.get("attention_mask"), generation_config, stop_checker)
     sampling = _sampling_state(generation_config, config, input_ids.shape[0], model.device)
     max_new_tokens = state.max_length - input_ids.shape[1]
     prompt_lens = state.seq_lens - state.pad_lens
@@ -290,7 +290,7 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
     check_supported_processors(logits_processor)
 
 
-def _initial_state(input_ids, attention_mask, generation_config, stopping_criteria) -> DecodeState:
+def _initial_state(input_ids, attention_mask, generation_config, stop_checker: StopChecker) -> DecodeState:
     batch, prompt_width = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -304,7 +304,7 @@ def _initial_state(input_ids, attention_mask, generation_config, stopping_criter
         )
     if (prompt_lens == 0).any():
         raise ValueError("every row of input_ids needs at least one token that is not padding")
-    max_length = StopChecker(stopping_criteria).max_length or generation_config.max_length
+    max_length = stop_checker.max_length or generation_config.max_length
     pad = generation_config._pad_token_tensor
     pad_token_id = int(pad.flatten()[0]) if pad is not None else (generation_config.pad_token_id or 0)
     token_buffer = torch.full((batch, max(max_length, prompt_width + 1)), pad_token_id, dtype=torch.long)
