@@ -19,12 +19,13 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..paged_attention import use_paged_attention
-from ..paged_cache import PagedAttentionMetadata, PagedKVCache
+from ..paged_cache import PagedKVCache
 from .base import DraftProposal, ProposeRequest
 from .drafting import (
     DraftSampling,
     DraftTokenPicker,
     autoregressive_drafts,
+    causal_lm_forward,
     drafter_pool_blocks,
     stack_draft_probs,
 )
@@ -179,22 +180,6 @@ class DraftModelProposer:
             self.cache = PagedKVCache.for_model(self.model, num_blocks=num_blocks, block_size=self.block_size)
         return self.cache
 
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        keep: torch.Tensor,
-        metadata: PagedAttentionMetadata,
-    ) -> torch.Tensor:
-        return self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-            paged_metadata=metadata,
-        ).logits[0]
-
     def _catch_up(self, row: int, context: np.ndarray) -> np.ndarray:
         """Roll the row's draft cache back to its longest prefix still in the context; return the rest."""
         cached = self.cached_tokens.get(row)
@@ -215,7 +200,13 @@ class DraftModelProposer:
         ]
         with torch.no_grad(), use_paged_attention(self.model):
             drafts, probs = autoregressive_drafts(
-                self._forward, cache, request.rows, feeds, max_draft, self.picker, self.model.device
+                causal_lm_forward(self.model, cache),
+                cache,
+                request.rows,
+                feeds,
+                max_draft,
+                self.picker,
+                self.model.device,
             )
         for row, tokens, draft in zip(request.rows, request.token_ids, drafts):
             if len(draft):  # the cache now holds the context and every draft but the last

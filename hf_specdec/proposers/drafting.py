@@ -12,7 +12,8 @@
   them changes q, never the output distribution.
 - `autoregressive_drafts`: k draft steps batched over rows into packed varlen forwards over a
   `PagedKVCache`, exactly as the loop drives the target: the first forward feeds each row's
-  tokens the drafter has not cached yet, the next ones one token per row.
+  tokens the drafter has not cached yet, the next ones one token per row. `causal_lm_forward` is
+  its forward for a causal LM (a draft model, or the target's early exit).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
 from ..config import SpeculativeConfig
 from ..logits_processing import _POSITION_FREE
@@ -116,6 +117,47 @@ def drafter_pool_blocks(token_ids: Sequence[np.ndarray], max_length: int, k: int
     return sum(-(-(len(t) + max_new + k + 1) // block_size) for t in token_ids)
 
 
+def causal_lm_forward(model: PreTrainedModel, cache: PagedKVCache) -> DraftForward:
+    """The `DraftForward` of a causal LM drafting on `cache`: one packed forward, the kept positions' logits."""
+
+    def forward(
+        input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, metadata: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        return model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=keep,
+            paged_metadata=metadata,
+        ).logits[0]
+
+    return forward
+
+
+def append_picks(
+    active: Sequence[int],
+    tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    drafts: list[list[int]],
+    probs: list[list[torch.Tensor]],
+    max_draft: Sequence[int],
+) -> list[int]:
+    """Append `tokens[j]` (and `q[j]` when sampling) to row `active[j]`'s drafts, for every j.
+
+    Returns the j whose row wants another draft (fewer than `max_draft` so far).
+    """
+    tokens = tokens.cpu().numpy()
+    wanting = []
+    for j, i in enumerate(active):
+        drafts[i].append(int(tokens[j]))
+        if q is not None:
+            probs[i].append(q[j])
+        if len(drafts[i]) < max_draft[i]:
+            wanting.append(j)
+    return wanting
+
+
 def autoregressive_drafts(
     forward: DraftForward,
     cache: PagedKVCache,
@@ -153,15 +195,7 @@ def autoregressive_drafts(
             metadata,
         )
         tokens, q = picker.pick(logits, active_rows)
-        tokens = tokens.cpu().numpy()
-        still_active = []
-        for j, i in enumerate(active):
-            drafts[i].append(int(tokens[j]))
-            if q is not None:
-                probs[i].append(q[j])
-            if len(drafts[i]) < max_draft[i]:
-                still_active.append(i)
-        active = still_active
+        active = [active[j] for j in append_picks(active, tokens, q, drafts, probs, max_draft)]
         inputs = [np.array(drafts[i][-1:], dtype=np.int64) for i in active]
     draft_arrays = [np.array(d, dtype=np.int64) for d in drafts]
     return draft_arrays, [torch.stack(p) if p else None for p in probs]

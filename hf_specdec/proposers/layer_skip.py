@@ -31,9 +31,15 @@ import torch
 from transformers import PreTrainedModel
 
 from ..paged_attention import use_paged_attention
-from ..paged_cache import PagedAttentionMetadata, PagedKVCache
+from ..paged_cache import PagedKVCache
 from .base import DraftProposal, ProposeRequest
-from .drafting import DraftSampling, DraftTokenPicker, autoregressive_drafts, stack_draft_probs
+from .drafting import (
+    DraftSampling,
+    DraftTokenPicker,
+    autoregressive_drafts,
+    causal_lm_forward,
+    stack_draft_probs,
+)
 
 
 def check_early_exit_layer(model: PreTrainedModel, early_exit_layer: int | None) -> int:
@@ -86,22 +92,6 @@ class LayerSkipProposer:
         self.k = num_speculative_tokens
         self.picker = DraftTokenPicker(sampling or DraftSampling(), model.device)
 
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        keep: torch.Tensor,
-        metadata: PagedAttentionMetadata,
-    ) -> torch.Tensor:
-        return self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-            paged_metadata=metadata,
-        ).logits[0]
-
     def propose(self, request: ProposeRequest) -> DraftProposal:
         max_draft = [min(int(m), self.k) for m in request.max_draft_tokens]
         # the target cache holds each row's first L tokens (all accepted); the draft feeds the rest
@@ -114,7 +104,13 @@ class LayerSkipProposer:
                 early_exit(self.model, self.early_exit_layer),
             ):
                 drafts, probs = autoregressive_drafts(
-                    self._forward, self.cache, request.rows, feeds, max_draft, self.picker, self.model.device
+                    causal_lm_forward(self.model, self.cache),
+                    self.cache,
+                    request.rows,
+                    feeds,
+                    max_draft,
+                    self.picker,
+                    self.model.device,
                 )
         finally:
             # give the loop its cache back as it was: the draft's slots beyond L are the verify's to write

@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 from ..paged_attention import use_paged_attention
 from ..paged_cache import PagedKVCache
 from .base import DraftProposal, ProposeRequest
-from .drafting import DraftSampling, DraftTokenPicker, drafter_pool_blocks, stack_draft_probs
+from .drafting import DraftSampling, DraftTokenPicker, append_picks, drafter_pool_blocks, stack_draft_probs
 
 # MTP modules read from a target's checkpoint, per target, so repeated generate() calls load them once
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -219,14 +219,7 @@ class MtpProposer:
             while True:
                 logits = self.mtp._project_to_logits(previous)
                 picked, q = self.picker.pick(logits, [rows[i] for i in active])
-                picked = picked.cpu().numpy()
-                keep = []
-                for j, i in enumerate(active):
-                    drafts[i].append(int(picked[j]))
-                    if q is not None:
-                        probs[i].append(q[j])
-                    if len(drafts[i]) < max_draft[i]:
-                        keep.append(j)
+                keep = append_picks(active, picked, q, drafts, probs, max_draft)
                 if not keep:
                     break
                 # 2. recursion: the draft at the next position, with the layer's own previous output
