@@ -2,7 +2,7 @@
 
 Keys follow vLLM's `--speculative-config` (method, model, num_speculative_tokens,
 prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) plus a few of our own
-(seed, block_size, num_kv_blocks). Every invalid value raises `ValueError` naming the field
+(seed, block_size, num_kv_blocks, early_exit_layer, max_speculative_tokens). Every invalid value raises `ValueError` naming the field
 and what is allowed.
 """
 
@@ -16,6 +16,8 @@ from typing import Any
 METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model", "layer_skip")
 METHODS_NEEDING_MODEL = ("eagle", "eagle3", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
+AUTO = "auto"
+DEFAULT_MAX_AUTO_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,9 @@ class SpeculativeConfig:
     Args:
         method: one of "ngram", "eagle", "eagle3", "mtp", "draft_model", "layer_skip".
         model: the drafter (folder or Hub id) for methods that need one.
-        num_speculative_tokens: k, draft tokens proposed per row and step (1..32).
+        num_speculative_tokens: k, draft tokens proposed per row and step (1..32), or "auto": each
+            step picks k in 0..max_speculative_tokens from the measured acceptance and step costs
+            (`auto_k.py`; 0 decodes without drafting).
         prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (ngram only).
             As in vLLM a missing one takes the other's value; when neither is given they are 1 and
             4 (vLLM uses 5 and 5: a wrong draft costs little here, so short n-grams pay).
@@ -36,11 +40,12 @@ class SpeculativeConfig:
         num_kv_blocks: size of the KV block pool; None sizes it from the request.
         early_exit_layer: N for method="layer_skip" (required there, nowhere else): draft with the
             target's first N layers; 1..num_hidden_layers-1, the upper bound checked against the model.
+        max_speculative_tokens: the largest k "auto" may pick (1..32, default 8); only with "auto".
     """
 
     method: str = "ngram"
     model: Any = None
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int | str = 5
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
@@ -48,16 +53,12 @@ class SpeculativeConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     early_exit_layer: int | None = None
+    max_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method={self.method!r} is unknown; allowed: {', '.join(METHODS)}")
-        k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(
-                f"speculative_config.num_speculative_tokens={k!r} is out of range; "
-                f"allowed: an integer from 1 to {MAX_SPECULATIVE_TOKENS}"
-            )
+        self._check_num_speculative_tokens()
         if self.method in METHODS_NEEDING_MODEL and self.model is None:
             raise ValueError(
                 f"speculative_config.model is required for method={self.method!r} "
@@ -89,6 +90,39 @@ class SpeculativeConfig:
         _check_optional_int("block_size", self.block_size, minimum=1)
         _check_optional_int("num_kv_blocks", self.num_kv_blocks, minimum=1)
         self._check_layer_skip()
+
+    def _check_num_speculative_tokens(self) -> None:
+        k, k_max = self.num_speculative_tokens, self.max_speculative_tokens
+        if k == AUTO:
+            if k_max is None:
+                object.__setattr__(self, "max_speculative_tokens", DEFAULT_MAX_AUTO_TOKENS)
+            elif not _is_int_in(k_max, 1, MAX_SPECULATIVE_TOKENS):
+                raise ValueError(
+                    f"speculative_config.max_speculative_tokens={k_max!r} is out of range; "
+                    f"allowed: an integer from 1 to {MAX_SPECULATIVE_TOKENS} (default {DEFAULT_MAX_AUTO_TOKENS})"
+                )
+            return
+        if not _is_int_in(k, 1, MAX_SPECULATIVE_TOKENS):
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens={k!r} is out of range; "
+                f"allowed: an integer from 1 to {MAX_SPECULATIVE_TOKENS}, or {AUTO!r}"
+            )
+        if k_max is not None:
+            raise ValueError(
+                f"speculative_config.max_speculative_tokens is only used with num_speculative_tokens={AUTO!r}, "
+                f"not {k!r}"
+            )
+
+    @property
+    def auto_k(self) -> bool:
+        """Whether each step picks its own k (num_speculative_tokens="auto")."""
+        return self.num_speculative_tokens == AUTO
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most draft tokens a row gets in one step: k, or max_speculative_tokens with "auto".
+        Drafters are built for this many."""
+        return self.max_speculative_tokens if self.auto_k else self.num_speculative_tokens
 
     def _check_layer_skip(self) -> None:
         if self.method != "layer_skip":
@@ -132,6 +166,10 @@ class SpeculativeConfig:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), (int, str, type(None)))}
+
+
+def _is_int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def _check_optional_int(name: str, value: Any, minimum: int) -> None:

@@ -4,7 +4,8 @@
 already prepared the generation config, the logits processors and the stopping criteria; we run
 the loop. Each step (`speculative_step`):
 
-1. draft: the proposer gives each active row up to k tokens (ragged, possibly none);
+1. draft: the proposer gives each active row up to k tokens (ragged, possibly none); k is the
+   config's, or with num_speculative_tokens="auto" chosen per step (`auto_k.py`);
 2. verify: one target forward over every row's pending token(s) and drafts, packed varlen into
    the paged KV cache;
 3. sample: logits processors at every verify position, then rejection sampling;
@@ -22,6 +23,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .auto_k import AutoKController
 from .config import SpeculativeConfig
 from .feature_capture import TargetFeatureCapture, capture_for_proposer
 from .logits_processing import StopChecker, check_supported_processors, process_logits
@@ -115,6 +117,7 @@ def generate(
     proposer = build_proposer(config, model, generation_config, logits_processor, target_cache=cache)
 
     metrics = SpecDecodeMetrics()
+    k_controller = AutoKController(config.max_draft_tokens) if config.auto_k else None
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     emitted_scores: list[list[torch.Tensor]] = [[] for _ in range(input_ids.shape[0])]
@@ -126,7 +129,8 @@ def generate(
     with torch.no_grad(), use_paged_attention(model), capture_for_proposer(model, proposer) as features:
         while not state.finished.all():
             step = speculative_step(
-                model, state, proposer, cache, config, logits_processor, stop_checker, sampling, metrics, features
+                model, state, proposer, cache, config, logits_processor, stop_checker, sampling, metrics, features,
+                k_controller=k_controller,
             )
             for row, tokens, raw, processed in step:
                 if want_scores:
@@ -164,22 +168,25 @@ def speculative_step(
     sampling: SamplingState,
     metrics: SpecDecodeMetrics,
     features: TargetFeatureCapture | None = None,
+    k_controller: AutoKController | None = None,
 ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One draft / verify / accept step over every active row.
 
     `features` (drafters with `target_feature_layers`): hooks capturing the target's hidden states;
     the accepted positions' ones are kept for the drafter's next call.
+    `k_controller` (num_speculative_tokens="auto"): picks this step's k and learns from its timing.
 
     Returns, per active row: (row, emitted tokens, their raw logits, their processed logits).
     """
     rows = state.active_rows()
     seq_lens = state.seq_lens[rows]
 
-    # 1. draft: never more than the row may still emit, minus the token the target adds
-    clock = time.perf_counter()
-    max_draft = np.clip(np.minimum(config.num_speculative_tokens, state.max_length - seq_lens - 1), 0, None)
+    # 1. draft: k drafts, never more than the row may still emit, minus the token the target adds
+    started = clock = time.perf_counter()
+    k = config.num_speculative_tokens if k_controller is None else k_controller.next_k(len(rows))
     if config.disable_by_batch_size is not None and len(rows) >= config.disable_by_batch_size:
-        max_draft[:] = 0
+        k = 0
+    max_draft = np.clip(np.minimum(k, state.max_length - seq_lens - 1), 0, None)
     proposal = proposer.propose(
         ProposeRequest(
             rows=rows.tolist(),
@@ -235,7 +242,7 @@ def speculative_step(
     for i, row in enumerate(rows):
         state.token_buffer[row, seq_lens[i] : seq_lens[i] + num_accepted[i] + 1] = output_tokens[i, : num_accepted[i] + 1]
     num_kept, stopped = stop_checker.first_stop(state.token_buffer, rows, seq_lens, num_accepted + 1)
-    metrics.record_step(spec.num_draft_tokens, num_accepted.tolist())
+    metrics.record_step(spec.num_draft_tokens, num_accepted.tolist(), k)
     metrics.num_emitted_tokens += int(num_kept.sum())
 
     first_logit = (spec.bonus_logits_indices.cpu().numpy() - num_draft)
@@ -259,6 +266,8 @@ def speculative_step(
                 features.keep(int(row), segment_start, int(num_pending[i] + num_accepted[i]))
     if stopped.any():
         proposer.release(rows[stopped].tolist())
+    if k_controller is not None:
+        k_controller.record_step(time.perf_counter() - started, spec.num_draft_tokens, num_accepted.tolist())
     return emitted
 
 

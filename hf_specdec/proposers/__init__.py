@@ -37,20 +37,20 @@ def build_proposer(
     there, unused by the other drafters).
     """
     if config.method == "ngram":
-        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        return NgramProposer(config.max_draft_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method in ("draft_model", "layer_skip"):
         sampling = DraftSampling.from_generate(generation_config, logits_processor, config)
         if config.method == "layer_skip":
             if target_cache is None:
                 raise ValueError("build_proposer: method='layer_skip' drafts on the target's cache; pass target_cache")
             return LayerSkipProposer(
-                target_model, target_cache, config.early_exit_layer, config.num_speculative_tokens, sampling
+                target_model, target_cache, config.early_exit_layer, config.max_draft_tokens, sampling
             )
         draft = load_draft_model(config.model, target_model)
         check_draft_compatible(draft, target_model)
         return DraftModelProposer(
             draft,
-            config.num_speculative_tokens,
+            config.max_draft_tokens,
             sampling,
             block_size=config.block_size,
             num_blocks=config.num_kv_blocks,
@@ -63,7 +63,7 @@ def build_proposer(
         return MtpProposer(
             target_model,
             load_mtp_model(config.model, target_model),
-            config.num_speculative_tokens,
+            config.max_draft_tokens,
             DraftSampling.from_generate(generation_config, logits_processor, config),
             block_size=config.block_size,
             num_blocks=config.num_kv_blocks,

@@ -89,7 +89,7 @@ class EagleProposer:
         return cls(
             head,
             target_model,
-            config.num_speculative_tokens,
+            config.max_draft_tokens,
             block_size=config.block_size,
             num_blocks=config.num_kv_blocks,
             max_length=max_length,

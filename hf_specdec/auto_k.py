@@ -1,0 +1,179 @@
+"""Choosing k per step from measurements: `num_speculative_tokens="auto"`.
+
+The closed form (seed §12.5, Leviathan et al. theorem 3.8): with each draft accepted with
+probability alpha given that the ones before it were, a step with k drafts yields
+(1 - alpha^(k+1)) / (1 - alpha) tokens on average and costs (1 + c k) plain decode steps, so
+
+    speedup(alpha, c, k) = (1 - alpha^(k+1)) / ((1 - alpha) (1 + c k))
+
+`choose_k` takes the k in 1..k_max that maximizes it, or 0 (no drafts: a plain decode step)
+when no k predicts a speedup above 1.
+
+`AutoKController` estimates alpha and c while generate() runs, per call:
+
+- alpha: each drafted step of a row tests its drafts in order until the first rejection, so it
+  is a run of Bernoulli(alpha) trials: accepted / (accepted + rejections) over every row and
+  step. (accepted / drafted, vLLM's "acceptance rate", is smaller: it counts the untested drafts
+  after a rejection as failures.) Both sums start from a prior and decay exponentially per step,
+  so the estimate follows a text whose predictability changes.
+- c: the seed defines c as draft time / verify time and assumes verifying k + 1 tokens costs as
+  much as decoding 1. On a CPU, or a GPU at a large batch, it does not: the verify forward grows
+  with the tokens it carries. So we fold both into one measured number, the extra cost per
+  draft token of a speculative step over a plain (drafts-free) step at the same batch size:
+
+      c = (t_step / t_plain_step - 1) / k_drafted
+
+  where t_step is the whole step (draft + verify + sampling) and k_drafted the step's draft
+  tokens per row. With this c the formula's denominator is exactly the measured step cost. Since
+  the verify cost per token grows with the batch, c measured at a large batch can make every
+  k predict a loss, and speculation turns itself off: `disable_by_batch_size` from measurements.
+- t_plain_step: the loop's own steps that drafted nothing (no n-gram match, or k = 0), kept per
+  number of active rows (rows leave the batch as they finish). When none is recent, the step
+  is forced to k = 0: a probe costing one step's worth of drafts. The first step runs the
+  prompts (prefill), so its time says nothing about decoding and is not used.
+- While speculation is off, every `probe_interval` steps one step drafts anyway, at the k the
+  formula ranks best, so a text that became predictable turns it back on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+TIE_TOLERANCE = 1e-9  # relative
+
+
+def predicted_speedup(alpha: float, c: float, k: int) -> float:
+    """Tokens per unit of plain-decode time with k drafts, relative to plain decoding (seed §12.5)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha!r} is out of range; allowed: 0 <= alpha <= 1")
+    if c < 0:
+        raise ValueError(f"c={c!r} is out of range; allowed: c >= 0")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k={k!r} is invalid; allowed: an integer >= 0")
+    # 1 + alpha + ... + alpha^k: the closed form's ratio, written as the sum so alpha -> 1 gives k + 1
+    tokens_per_step = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 - 1e-9 else k + 1.0
+    return tokens_per_step / (1 + c * k)
+
+
+def best_k(alpha: float, c: float, k_max: int) -> int:
+    """The k in 1..k_max with the highest predicted speedup: the smallest k within `TIE_TOLERANCE`
+    of the best (with c = 0 the speedup creeps up by float rounding only: more drafts, no gain)."""
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
+        raise ValueError(f"k_max={k_max!r} is invalid; allowed: an integer >= 1")
+    speedups = [predicted_speedup(alpha, c, k) for k in range(1, k_max + 1)]
+    best = max(speedups)
+    return next(k for k, s in enumerate(speedups, start=1) if s >= best * (1 - TIE_TOLERANCE))
+
+
+def choose_k(alpha: float, c: float, k_max: int) -> int:
+    """`best_k`, or 0 (decode without drafts) when no k in 1..k_max predicts a speedup above 1."""
+    k = best_k(alpha, c, k_max)
+    return k if predicted_speedup(alpha, c, k) > 1.0 else 0
+
+
+@dataclass
+class DecayedRatio:
+    """sum(numerators) / sum(denominators), every earlier term multiplied by `decay` per update."""
+
+    numerator: float
+    denominator: float
+    decay: float
+
+    def update(self, numerator: float, denominator: float) -> None:
+        self.numerator = self.decay * self.numerator + numerator
+        self.denominator = self.decay * self.denominator + denominator
+
+    @property
+    def value(self) -> float:
+        return self.numerator / self.denominator
+
+
+@dataclass
+class PlainStepTime:
+    seconds: DecayedRatio  # seconds per plain step
+    last_step: int  # the controller step that measured it last
+
+
+class AutoKController:
+    """Per-step k from running estimates of alpha and c (see the module docstring).
+
+    The loop asks `next_k(num_rows)` before drafting and reports the step with `record_step`.
+
+    Args:
+        k_max: the largest k to choose (`max_speculative_tokens`).
+        alpha_prior, c_prior: the estimates before any step; each weighs as `prior_weight` samples
+            (draft trials for alpha, draft tokens per row for c) and decays like the data.
+        decay: weight kept by earlier data per step (0.9: about the last ten steps count).
+        probe_interval: steps between forced plain steps (k = 0) while speculating, and between
+            exploratory drafting steps while not.
+    """
+
+    def __init__(
+        self,
+        k_max: int,
+        alpha_prior: float = 0.5,
+        c_prior: float = 0.1,
+        prior_weight: float = 4.0,
+        decay: float = 0.9,
+        probe_interval: int = 32,
+    ):
+        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
+            raise ValueError(f"k_max={k_max!r} is invalid; allowed: an integer >= 1")
+        if probe_interval < 2:
+            raise ValueError(f"probe_interval={probe_interval!r} is invalid; allowed: an integer >= 2")
+        self.k_max = k_max
+        self.probe_interval = probe_interval
+        self._alpha = DecayedRatio(alpha_prior * prior_weight, prior_weight, decay)
+        self._c = DecayedRatio(c_prior * prior_weight, prior_weight, decay)
+        self._plain: dict[int, PlainStepTime] = {}  # by number of active rows
+        self._steps = 0  # steps recorded so far
+        self._last_drafted_step = 0
+
+    @property
+    def alpha(self) -> float:
+        """Estimated probability that a draft is accepted, given the drafts before it were."""
+        return self._alpha.value
+
+    @property
+    def c(self) -> float:
+        """Estimated extra cost per draft token, in plain steps (>= 0)."""
+        return max(self._c.value, 0.0)
+
+    def next_k(self, num_rows: int) -> int:
+        """k for the next step of `num_rows` active rows: the formula's choice, or a probe."""
+        k = choose_k(self.alpha, self.c, self.k_max)
+        if self._steps == 0:  # the prefill step: no decode timing to take, speculate on the priors
+            return k
+        plain = self._plain.get(num_rows)
+        if plain is None or self._steps - plain.last_step >= self.probe_interval:
+            return 0
+        if k == 0 and self._steps - self._last_drafted_step >= self.probe_interval:
+            return best_k(self.alpha, self.c, self.k_max)
+        return k
+
+    def record_step(
+        self, seconds: float, num_draft_tokens: Sequence[int], num_accepted: Sequence[int]
+    ) -> None:
+        """One finished step: its wall time and, per active row, drafts proposed and accepted."""
+        self._steps += 1
+        accepted = sum(num_accepted)
+        rejections = sum(1 for d, a in zip(num_draft_tokens, num_accepted) if a < d)
+        if accepted + rejections:
+            self._alpha.update(accepted, accepted + rejections)
+        drafted_per_row = sum(num_draft_tokens) / len(num_draft_tokens)
+        if drafted_per_row > 0:
+            self._last_drafted_step = self._steps
+        if self._steps == 1:  # the prefill step
+            return
+        num_rows = len(num_draft_tokens)
+        plain = self._plain.get(num_rows)
+        if drafted_per_row == 0:
+            if plain is None:
+                self._plain[num_rows] = PlainStepTime(DecayedRatio(seconds, 1.0, 0.5), self._steps)
+            else:  # recent plain steps dominate: the context, and with it the step time, grows
+                plain.seconds.update(seconds, 1.0)
+                plain.last_step = self._steps
+        elif plain is not None:
+            # weighted by k_drafted: a step that drafted little says little about the cost per draft
+            self._c.update(seconds / plain.seconds.value - 1.0, drafted_per_row)

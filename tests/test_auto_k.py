@@ -1,0 +1,332 @@
+"""num_speculative_tokens="auto": the closed-form speedup, the choice of k, the running estimator
+and the loop using it (greedy output unchanged, every drafter held to the per-step k)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from conftest import build_tiny_llama, ngram_config, plain_generate, repeated_span_batch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig, decoding
+from hf_specdec.auto_k import AutoKController, best_k, choose_k, predicted_speedup
+from hf_specdec.metrics import SpecDecodeMetrics
+
+# --- the formula ----------------------------------------------------------------------------------
+
+# seed §12.5.4: (alpha, c) -> speedup at k = 3, 5, 7
+SEED_TABLE = [
+    (0.75, 0.05, (2.38, 2.63, 2.67)),
+    (0.55, 0.20, (1.26, 1.08, 0.92)),
+    (0.25, 0.00, (1.33, 1.33, 1.33)),
+    (0.75, 0.40, (1.24, 1.10, 0.95)),
+]
+
+
+@pytest.mark.parametrize("alpha,c,expected", SEED_TABLE)
+def test_predicted_speedup_reproduces_the_seed_table(alpha, c, expected):
+    for k, value in zip((3, 5, 7), expected):
+        assert predicted_speedup(alpha, c, k) == pytest.approx(value, abs=0.006)
+
+
+def test_predicted_speedup_edge_cases():
+    assert predicted_speedup(0.6, 0.3, 0) == 1.0  # no drafts: plain decoding
+    assert predicted_speedup(0.0, 0.2, 4) == pytest.approx(1 / 1.8)  # every draft rejected: pure cost
+    # alpha -> 1: (k + 1) / (1 + c k), continuous from below
+    assert predicted_speedup(1.0, 0.1, 4) == pytest.approx(5 / 1.4)
+    assert predicted_speedup(1.0 - 1e-7, 0.1, 4) == pytest.approx(5 / 1.4, rel=1e-5)
+    assert predicted_speedup(1.0, 0.0, 31) == 32.0
+    for bad in ({"alpha": 1.2}, {"alpha": -0.1}, {"c": -0.5}, {"k": -1}, {"k": 2.5}):
+        arguments = {"alpha": 0.5, "c": 0.1, "k": 3, **bad}
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=name):
+            predicted_speedup(**arguments)
+
+
+def _speedups_by_hand(alpha: float, c: float, k_max: int) -> list[float]:
+    """sum_{i<=k} alpha^i / (1 + c k): the expected tokens per step written as the plain sum."""
+    return [sum(alpha**i for i in range(k + 1)) / (1 + c * k) for k in range(1, k_max + 1)]
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.4, 0.55, 0.7, 0.8, 0.9, 0.97])
+@pytest.mark.parametrize("c", [0.0, 0.02, 0.05, 0.1, 0.2, 0.4])
+@pytest.mark.parametrize("k_max", [1, 4, 8, 32])
+def test_choose_k_is_the_formulas_argmax(alpha, c, k_max):
+    speedups = _speedups_by_hand(alpha, c, k_max)
+    best = max(speedups)
+    # the smallest k at the maximum, float plateaus (c = 0, alpha^k below rounding) counted as ties
+    expected = next(k for k, s in enumerate(speedups, start=1) if s >= best * (1 - 1e-9))
+    assert best_k(alpha, c, k_max) == expected
+    assert choose_k(alpha, c, k_max) == (expected if best > 1 else 0)
+
+
+def test_choose_k_known_values():
+    assert choose_k(0.75, 0.05, 8) == 7  # the seed's first row: 2.666 at k = 6, 2.667 at 7, less at 8
+    assert choose_k(0.55, 0.20, 8) == 2  # "the best k is small"
+    assert choose_k(0.95, 0.0, 8) == 8  # free drafts: as many as allowed
+    assert choose_k(0.1, 0.5, 8) == 0  # every k loses: decode plainly
+    assert all(predicted_speedup(0.1, 0.5, k) < 1 for k in range(1, 9))
+    assert choose_k(0.5, 1.0, 32) == 0
+
+
+# --- the running estimator ------------------------------------------------------------------------
+
+
+def simulate(controller: AutoKController, alpha: float, c_of_rows, rows_of_step, steps: int, seed: int = 0):
+    """Drive the controller with synthetic steps: every row drafts the k asked, accepts a geometric
+    run of them, and the step takes t_plain (1 + c k) seconds with 2 % noise. Returns the ks chosen."""
+    rng = random.Random(seed)
+    chosen = []
+    for step in range(steps):
+        rows = rows_of_step(step)
+        k = controller.next_k(rows)
+        chosen.append(k)
+        accepted = []
+        for _ in range(rows):
+            n = 0
+            while n < k and rng.random() < alpha:
+                n += 1
+            accepted.append(n)
+        # the first step also runs the prompts
+        t_plain = 0.01 * (1 + 0.3 * rows) * (3.0 if step == 0 else 1.0)
+        seconds = t_plain * (1 + c_of_rows(rows) * k) * (1 + 0.02 * (rng.random() - 0.5))
+        controller.record_step(seconds, [k] * rows, accepted)
+    return chosen
+
+
+@pytest.mark.parametrize("alpha,c", [(0.8, 0.05), (0.6, 0.1), (0.9, 0.02), (0.5, 0.25)])
+def test_controller_converges_to_the_formulas_k(alpha, c):
+    controller = AutoKController(k_max=8, probe_interval=32)
+    chosen = simulate(controller, alpha, lambda rows: c, lambda step: 4, steps=400)
+    assert controller.alpha == pytest.approx(alpha, abs=0.08)
+    assert controller.c == pytest.approx(c, abs=0.02)
+    expected = choose_k(alpha, c, 8)
+    assert expected > 0
+    late = chosen[200:]
+    # past the start, steps use the formula's k except the plain probes (one per probe_interval)
+    assert sum(k == 0 for k in late) <= len(late) // 32 + 1
+    decided = [k for k in late if k > 0]
+    assert abs(max(set(decided), key=decided.count) - expected) <= 1
+    assert abs(choose_k(controller.alpha, controller.c, 8) - expected) <= 1
+
+
+def test_controller_probes_plain_steps_per_batch_size():
+    controller = AutoKController(k_max=8, probe_interval=16)
+    chosen = simulate(controller, 0.8, lambda rows: 0.05, lambda step: 4 if step < 40 else 3, steps=80)
+    assert chosen[0] > 0  # the prefill step speculates on the priors
+    assert chosen[1] == 0  # then a plain step gives the reference time
+    assert chosen[40] == 0  # a row finished: the new batch size needs its own plain time
+    # and probes recur every probe_interval steps (step 1's plain time was recorded as step 2)
+    assert chosen[18] == 0 and all(k > 0 for k in chosen[2:18])
+
+
+def test_controller_turns_speculation_off_when_drafts_cost_too_much():
+    # cheap at batch 1, expensive at batch 8 (the verify forward grows with the batch)
+    controller = AutoKController(k_max=8, probe_interval=32)
+    chosen = simulate(controller, 0.6, lambda rows: 0.02 if rows == 1 else 1.0, lambda step: 8, steps=300)
+    assert controller.c > 0.5
+    assert choose_k(controller.alpha, controller.c, 8) == 0
+    late = chosen[100:]
+    assert sum(k > 0 for k in late) <= len(late) // 32 + 1  # only the exploratory steps draft
+    assert any(k > 0 for k in late), "speculation must be retried now and then"
+
+    cheap = AutoKController(k_max=8, probe_interval=32)
+    chosen = simulate(cheap, 0.6, lambda rows: 0.02 if rows == 1 else 1.0, lambda step: 1, steps=300)
+    assert sum(k > 0 for k in chosen[100:]) > 0.9 * 200
+
+
+def test_controller_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="k_max"):
+        AutoKController(k_max=0)
+    with pytest.raises(ValueError, match="probe_interval"):
+        AutoKController(k_max=4, probe_interval=1)
+
+
+# --- the loop with "auto" -------------------------------------------------------------------------
+
+
+class RecordingProposer:
+    """Wraps the loop's drafter and records, per step, the per-row limit and the drafts proposed."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.steps: list[list[tuple[int, int]]] = []
+
+    def propose(self, request):
+        proposal = self.inner.propose(request)
+        self.steps.append(list(zip(request.max_draft_tokens, proposal.num_draft_tokens)))
+        return proposal
+
+    def release(self, rows):
+        self.inner.release(rows)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _auto_config(method: str, k_max: int) -> dict:
+    if method == "ngram":
+        return ngram_config("auto", 1, 4, max_speculative_tokens=k_max)
+    if method == "layer_skip":
+        return {
+            "method": "layer_skip",
+            "early_exit_layer": 1,
+            "num_speculative_tokens": "auto",
+            "max_speculative_tokens": k_max,
+        }
+    return {
+        "method": "draft_model",
+        "model": build_tiny_llama(),
+        "num_speculative_tokens": "auto",
+        "max_speculative_tokens": k_max,
+    }
+
+
+@pytest.mark.parametrize(
+    "method,batch_size", [("ngram", 1), ("ngram", 3), ("layer_skip", 3), ("draft_model", 3)]
+)
+def test_auto_greedy_matches_plain_generate(enabled_llama, monkeypatch, method, batch_size):
+    model = enabled_llama
+    inputs = repeated_span_batch(batch_size)
+    k_max = 6
+    proposers = []
+
+    def recording_build_proposer(*args, **kwargs):
+        proposers.append(RecordingProposer(build_proposer(*args, **kwargs)))
+        return proposers[-1]
+
+    build_proposer = decoding.build_proposer
+    monkeypatch.setattr(decoding, "build_proposer", recording_build_proposer)
+    plain = plain_generate(model, **inputs, max_new_tokens=40, do_sample=False)
+    out = model.generate(
+        **inputs,
+        max_new_tokens=40,
+        do_sample=False,
+        speculative_config=_auto_config(method, k_max),
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(out.sequences, plain)
+    metrics = out.spec_metrics
+    assert out.spec_metrics["num_draft_tokens"] > 0
+    counts = metrics["k_chosen_counts"]
+    assert sum(counts) == metrics["num_target_forwards"]
+    assert len(counts) <= k_max + 1
+    assert counts[0] >= 1, "no plain step was measured"
+    # the prefill step speculates on the priors: k = choose_k(0.5, 0.1, 6) = 2, below the drafter's 6
+    assert choose_k(0.5, 0.1, k_max) == 2 and counts[2] >= 1
+    assert metrics["mean_k_chosen"] == pytest.approx(sum(k * n for k, n in enumerate(counts)) / sum(counts))
+    # every drafter (built for k_max) honours each step's smaller limit
+    steps = proposers[0].steps
+    assert len(steps) == metrics["num_target_forwards"]
+    assert all(drafted <= limit <= k_max for step in steps for limit, drafted in step)
+    assert any(0 < limit < k_max for step in steps for limit, _ in step)
+
+
+def test_fixed_k_records_its_k_and_disable_by_batch_size_records_zero(enabled_llama):
+    inputs = repeated_span_batch(3)
+    out = enabled_llama.generate(
+        **inputs,
+        max_new_tokens=20,
+        do_sample=False,
+        speculative_config=ngram_config(4),
+        return_dict_in_generate=True,
+    )
+    counts = out.spec_metrics["k_chosen_counts"]
+    assert counts == [0, 0, 0, 0, out.spec_metrics["num_target_forwards"]]
+    off = enabled_llama.generate(
+        **inputs,
+        max_new_tokens=20,
+        do_sample=False,
+        speculative_config=ngram_config(4, disable_by_batch_size=2),
+        return_dict_in_generate=True,
+    )
+    # the three rows run to max_new_tokens together: every step has >= 2 rows and asks for k = 0
+    assert off.spec_metrics["k_chosen_counts"] == [off.spec_metrics["num_target_forwards"]]
+    assert off.spec_metrics["num_draft_tokens"] == 0
+
+
+def test_metrics_conditional_acceptance_and_merge():
+    metrics = SpecDecodeMetrics()
+    metrics.record_step([4, 4, 0], [4, 1, 0], 4)  # one draft accepted whole, one rejected at position 2
+    metrics.record_step([2], [0], 2)
+    assert metrics.num_rejected_drafts == 2
+    assert metrics.num_row_steps == 4
+    assert metrics.conditional_acceptance_rate == pytest.approx(5 / 7)  # 5 accepted in 5 + 2 trials
+    assert metrics.draft_acceptance_rate == pytest.approx(5 / 10)
+    assert metrics.k_chosen_counts == [0, 0, 1, 0, 1]
+    total = SpecDecodeMetrics.from_dict(json.loads(json.dumps(metrics.to_dict())))
+    total.merge(metrics)
+    assert total.k_chosen_counts == [0, 0, 2, 0, 2]
+    assert total.num_rejected_drafts == 4 and total.mean_k_chosen == 3.0
+
+
+# --- configuration --------------------------------------------------------------------------------
+
+
+def test_auto_config_forms():
+    for form in (
+        {"num_speculative_tokens": "auto"},
+        '{"method": "ngram", "num_speculative_tokens": "auto"}',
+    ):
+        config = SpeculativeConfig.from_any(form)
+        assert config.auto_k and config.max_speculative_tokens == 8 and config.max_draft_tokens == 8
+    config = SpeculativeConfig(num_speculative_tokens="auto", max_speculative_tokens=3)
+    assert config.max_draft_tokens == 3 and config.to_dict()["num_speculative_tokens"] == "auto"
+    fixed = SpeculativeConfig(num_speculative_tokens=5)
+    assert not fixed.auto_k and fixed.max_draft_tokens == 5 and fixed.max_speculative_tokens is None
+
+
+@pytest.mark.parametrize(
+    "kwargs,field,fragment",
+    [
+        ({"num_speculative_tokens": "Auto"}, "num_speculative_tokens", "'auto'"),
+        ({"num_speculative_tokens": "5"}, "num_speculative_tokens", "'auto'"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens", "1 to 32, or 'auto'"),
+        (
+            {"num_speculative_tokens": "auto", "max_speculative_tokens": 0},
+            "max_speculative_tokens",
+            "1 to 32",
+        ),
+        (
+            {"num_speculative_tokens": "auto", "max_speculative_tokens": 33},
+            "max_speculative_tokens",
+            "1 to 32",
+        ),
+        (
+            {"num_speculative_tokens": "auto", "max_speculative_tokens": "8"},
+            "max_speculative_tokens",
+            "integer",
+        ),
+        (
+            {"num_speculative_tokens": 4, "max_speculative_tokens": 8},
+            "max_speculative_tokens",
+            "only used with",
+        ),
+        ({"max_speculative_tokens": 8}, "max_speculative_tokens", "'auto'"),
+    ],
+)
+def test_auto_config_errors(kwargs, field, fragment):
+    for build in (
+        lambda: SpeculativeConfig(**kwargs),
+        lambda: SpeculativeConfig.from_any(json.dumps(kwargs)),
+    ):
+        with pytest.raises(ValueError) as info:
+            build()
+        assert f"speculative_config.{field}" in str(info.value)
+        assert fragment in str(info.value)
+
+
+def test_auto_through_custom_generate(tiny_llama):
+    inputs = repeated_span_batch(1)
+    plain = tiny_llama.generate(**inputs, max_new_tokens=24, do_sample=False)
+    out = tiny_llama.generate(
+        **inputs,
+        max_new_tokens=24,
+        do_sample=False,
+        custom_generate=hf_specdec.generate,
+        speculative_config='{"method": "ngram", "num_speculative_tokens": "auto"}',
+    )
+    assert torch.equal(out, plain)
