@@ -54,12 +54,8 @@ def paged_attention_forward(
 
     if meta.kv_gathered:
         keys, values = key, value
-    elif meta.contiguous_kv is not None:
-        start, length = meta.contiguous_kv
-        keys = key.view(-1, num_kv_heads, head_dim)[start : start + length][None].transpose(1, 2)
-        values = value.view(-1, num_kv_heads, head_dim)[start : start + length][None].transpose(1, 2)
     else:
-        keys, values = _gather_blocks(key, meta, "keys"), _gather_blocks(value, meta, "values")
+        keys, values = gather_rows(key, meta, "keys"), gather_rows(value, meta, "values")
     out = torch.nn.functional.scaled_dot_product_attention(
         queries,
         keys,
@@ -74,18 +70,24 @@ def paged_attention_forward(
     return out[meta.query_valid].unsqueeze(0), None
 
 
-def _gather_blocks(pool: torch.Tensor, meta: PagedAttentionMetadata, name: str) -> torch.Tensor:
-    """Each row's blocks side by side: `[rows, kv_heads, max_blocks * block_size, dim]`.
+def gather_rows(pool: torch.Tensor, meta: PagedAttentionMetadata, name: str) -> torch.Tensor:
+    """Each row's slots of `pool` `[blocks, block_size, heads, dim]` as `[rows, heads, S, dim]`.
 
-    The copy goes into one buffer per forward that every layer reuses (allocating a fresh one
-    per layer costs more than the copy on CPU).
+    One row with consecutive blocks: a view of the pool, S = its length. Otherwise each row's
+    blocks side by side, S = max blocks x block size, copied into the buffer `name` of the
+    forward's scratch, which every layer reuses (allocating a fresh one per layer costs more
+    than the copy on CPU).
     """
+    num_heads, dim = pool.shape[-2:]
+    if meta.contiguous_kv is not None:
+        start, length = meta.contiguous_kv
+        return pool.view(-1, num_heads, dim)[start : start + length][None].transpose(1, 2)
     num_rows, num_blocks = meta.block_table.shape
     buffer = meta.scratch.get(name)
     if buffer is None:
         buffer = meta.scratch[name] = pool.new_empty((num_rows * num_blocks, *pool.shape[1:]))
     torch.index_select(pool, 0, meta.block_table.view(-1), out=buffer)
-    return buffer.view(num_rows, -1, *pool.shape[2:]).transpose(1, 2)
+    return buffer.view(num_rows, -1, num_heads, dim).transpose(1, 2)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

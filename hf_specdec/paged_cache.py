@@ -142,6 +142,10 @@ class PagedKVCache(Cache):
             for _ in range(num_layers)
         ]
         super().__init__(layers=layers)
+        self._init_block_tables(num_blocks, block_size, device)
+
+    def _init_block_tables(self, num_blocks: int, block_size: int, device: torch.device | str) -> None:
+        """The bookkeeping of a paged cache, whatever its layers hold (`PagedMLACache` shares it)."""
         self.block_size = block_size
         self.device = torch.device(device)
         self.allocator = BlockAllocator(num_blocks)
@@ -152,22 +156,27 @@ class PagedKVCache(Cache):
     def for_model(
         cls, model: torch.nn.Module, num_blocks: int, block_size: int = 16, num_layers: int | None = None
     ) -> PagedKVCache:
+        """A pool for `model`'s attention layers, in its dtype and on its device (MLA models: `PagedMLACache`)."""
         config = model.config.get_text_config()
         if cls is PagedKVCache and getattr(config, "kv_lora_rank", None) is not None:
             from .paged_mla import PagedMLACache  # MLA (DeepSeek) caches latents: paged_mla.py
 
-            return PagedMLACache.for_model(model, num_blocks, block_size, num_layers)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            cls = PagedMLACache
         return cls(
             num_layers=num_layers or config.num_hidden_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
             num_blocks=num_blocks,
             block_size=block_size,
             dtype=model.dtype,
             device=model.device,
+            **cls._pool_widths(config),
         )
+
+    @staticmethod
+    def _pool_widths(config) -> dict[str, int]:
+        """The constructor's per-token pool widths for a (text) config: KV heads and head dim."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return {"num_kv_heads": num_kv_heads, "head_dim": head_dim}
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:

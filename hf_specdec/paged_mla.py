@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .paged_cache import BlockAllocator, PagedAttentionMetadata, PagedKVCache, PagedLayer
+from .paged_attention import gather_rows
+from .paged_cache import PagedAttentionMetadata, PagedKVCache, PagedLayer
 
 
 def is_mla(config) -> bool:
@@ -33,20 +34,6 @@ def is_mla(config) -> bool:
         getattr(config, "kv_lora_rank", None) is not None
         and getattr(config, "qk_rope_head_dim", None) is not None
     )
-
-
-def gather_rows(pool: torch.Tensor, meta: PagedAttentionMetadata, name: str) -> torch.Tensor:
-    """Each row's slots of `pool` `[blocks, block_size, heads, dim]` as `[rows, heads, S, dim]`."""
-    num_heads, dim = pool.shape[-2:]
-    if meta.contiguous_kv is not None:  # one row, consecutive blocks: a view, no copy
-        start, length = meta.contiguous_kv
-        return pool.view(-1, num_heads, dim)[start : start + length][None].transpose(1, 2)
-    num_rows, num_blocks = meta.block_table.shape
-    buffer = meta.scratch.get(name)
-    if buffer is None:
-        buffer = meta.scratch[name] = pool.new_empty((num_rows * num_blocks, *pool.shape[1:]))
-    torch.index_select(pool, 0, meta.block_table.view(-1), out=buffer)
-    return buffer.view(num_rows, -1, num_heads, dim).transpose(1, 2)
 
 
 class PagedLatentLayer(PagedLayer):
@@ -83,30 +70,16 @@ class PagedMLACache(PagedKVCache):
         def pool(width: int) -> torch.Tensor:
             return torch.zeros((num_blocks, block_size, 1, width), dtype=dtype, device=device)
 
+        # PagedKVCache.__init__ would allocate key / value pools: build the latent layers instead
         Cache.__init__(
             self,
             layers=[PagedLatentLayer(pool(kv_lora_rank), pool(qk_rope_head_dim)) for _ in range(num_layers)],
         )
-        self.block_size = block_size
-        self.device = torch.device(device)
-        self.allocator = BlockAllocator(num_blocks)
-        self.block_tables: dict[int, list[int]] = {}
-        self.seq_lens: dict[int, int] = {}
+        self._init_block_tables(num_blocks, block_size, device)
 
-    @classmethod
-    def for_model(
-        cls, model: torch.nn.Module, num_blocks: int, block_size: int = 16, num_layers: int | None = None
-    ) -> PagedMLACache:
-        config = model.config.get_text_config()
-        return cls(
-            num_layers=num_layers or config.num_hidden_layers,
-            kv_lora_rank=config.kv_lora_rank,
-            qk_rope_head_dim=config.qk_rope_head_dim,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            dtype=model.dtype,
-            device=model.device,
-        )
+    @staticmethod
+    def _pool_widths(config) -> dict[str, int]:
+        return {"kv_lora_rank": config.kv_lora_rank, "qk_rope_head_dim": config.qk_rope_head_dim}
 
     def prepare_forward(self, rows: list[int], num_new_tokens: list[int]) -> PagedAttentionMetadata:
         metadata = super().prepare_forward(rows, num_new_tokens)
