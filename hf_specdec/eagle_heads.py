@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -418,6 +419,35 @@ class EagleHead(nn.Module):
     ) -> EagleHead:
         """Load any supported layout (see `load_eagle_head`)."""
         return load_eagle_head(source, target=target, method=method)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        token: str | None = None,
+        private: bool | None = None,
+        commit_message: str | None = None,
+        revision: str | None = None,
+        card_fields: dict[str, Any] | None = None,
+    ) -> str:
+        """Save the head with a model card into a temporary folder and upload it; returns the commit URL.
+
+        `card_fields` (see `hf_specdec.model_card`) needs at least `base_model`, the target's Hub
+        id; the method, layers, draft vocabulary and `repo_id` are filled in from the head.
+        """
+        from .hub import DEFAULT_COMMIT_MESSAGE, push_head_folder  # hub.py imports this module
+
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder)
+            return push_head_folder(
+                folder,
+                repo_id,
+                token=token,
+                private=private,
+                commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
+                revision=revision,
+                card_fields=card_fields or {},
+            )
 
 
 # --- checking a head against its target ---------------------------------------------------------
