@@ -352,6 +352,7 @@ class EagleHead(nn.Module):
         position_ids: torch.LongTensor,
         fuse_features: bool = True,
         cache=None,
+        attention_mask: torch.Tensor | None = None,
         **attention_kwargs: Any,
     ) -> torch.Tensor:
         """Hidden states `[batch, tokens, H]` of the (feature, token) pairs.
@@ -362,7 +363,9 @@ class EagleHead(nn.Module):
                 `fuse_features`), or the head's own previous outputs (`fuse_features=False`).
             position_ids: `[batch, tokens]` the position of each feature.
             cache / attention_kwargs: the paged cache and `paged_metadata` inside generate; None
-                for a plain causal forward over whole sequences (training).
+                for a plain causal forward over whole sequences.
+            attention_mask: None (causal), or the boolean `[batch, 1, tokens, keys]` mask a trainer
+                uses when it unrolls draft steps over a cache of earlier steps (training-time test).
         """
         embeds = self.embed(input_ids).to(features.dtype)
         if self.method == "eagle":
@@ -374,7 +377,7 @@ class EagleHead(nn.Module):
             layer_inputs = (embeds, hidden_states) if (i == 0 and self.method == "eagle3") else (hidden_states,)
             hidden_states = layer(
                 *layer_inputs,
-                attention_mask=None,
+                attention_mask=attention_mask,
                 position_ids=position_ids,
                 cache=cache,
                 position_embeddings=position_embeddings,

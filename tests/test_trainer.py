@@ -1,0 +1,218 @@
+"""The EAGLE / EAGLE-3 trainer (`python -m hf_specdec.trainers.eagle`) on a tiny random target.
+
+A few steps of each method must lower the loss and leave a folder the drafter loads (and
+generate with it stays token-identical to plain generate); a run resumed from a checkpoint must
+continue with exactly the loss the uninterrupted run had; the data pipeline must mask exactly the
+assistant tokens; two processes under `accelerate launch --cpu` must train the same head as one;
+bad input must fail with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import EOS_TOKEN_ID, build_tiny_llama, left_padded_batch, plain_generate
+from hf_specdec.trainers import eagle as trainer
+from hf_specdec.trainers.data import to_messages, tokenize_conversation
+from safetensors.torch import load_file
+
+import hf_specdec
+from hf_specdec.eagle_heads import load_eagle_head
+
+# role markers are words of the tiny vocabulary: w3 = user, w4 = assistant, w5 = system
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ {'user': 'w3', 'assistant': 'w4', 'system': 'w5'}[m['role']] }} "
+    "{{ m['content'] }} </s> {% endfor %}{% if add_generation_prompt %}<s> w4 {% endif %}"
+)
+
+
+def _conversation(rng: random.Random, sharegpt: bool) -> dict:
+    # the assistant repeats the user's words twice: structure a head can pick up
+    words = [f"w{rng.randrange(10, 60)}" for _ in range(rng.randint(3, 8))]
+    question, answer = " ".join(words), " ".join(words + words)
+    if sharegpt:
+        return {"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+@pytest.fixture(scope="module")
+def target_folder(tmp_path_factory, word_tokenizer):
+    folder = tmp_path_factory.mktemp("target")
+    model = build_tiny_llama(initializer_range=0.5)
+    model.save_pretrained(folder)
+    word_tokenizer.save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    # both record shapes in one file would not load as one table: ShareGPT here, OpenAI in a test below
+    path.write_text("\n".join(json.dumps(_conversation(rng, sharegpt=True)) for _ in range(64)) + "\n")
+    return path
+
+
+def _train(target_folder, data_file, output, *extra: str) -> list[dict]:
+    args = [
+        "--target", str(target_folder), "--data", str(data_file), "--output", str(output),
+        "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "0",
+        "--save-every", "0", "--report-to", "none", "--num-threads", "1", "--max-length", "64",
+        "--eval-fraction", "0.1", *extra,
+    ]
+    trainer.main(args)
+    return [json.loads(line) for line in (output / trainer.TRAIN_LOG).read_text().splitlines()]
+
+
+def test_assistant_mask_covers_exactly_the_answers(word_tokenizer):
+    word_tokenizer.chat_template = CHAT_TEMPLATE
+    try:
+        messages = to_messages(
+            {"conversations": [{"from": "human", "value": "w10 w11"}, {"from": "gpt", "value": "w12 w13 w14"},
+                               {"from": "human", "value": "w15"}, {"from": "gpt", "value": "w16"}]}
+        )
+        ids, mask = tokenize_conversation(word_tokenizer, messages, max_length=100)
+    finally:
+        word_tokenizer.chat_template = None
+    trained = [word_tokenizer.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m]
+    # the answers and the end-of-turn marker after each; never the user's words or role markers
+    assert trained == ["w12", "w13", "w14", "</s>", "w16", "</s>"]
+    assert ids[0] == word_tokenizer.bos_token_id and ids[-1] == EOS_TOKEN_ID
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_training_lowers_loss_and_the_head_loads(target_folder, data_file, tmp_path, method):
+    extra = ["--draft-vocab-size", "96", "--ttt-steps", "3"] if method == "eagle3" else []
+    log = _train(target_folder, data_file, tmp_path, "--method", method, "--num-epochs", "6", *extra)
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert len(losses) == 48  # 58 training records in batches of 8: 8 batches per epoch, 6 epochs
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+    final = log[-1]
+    assert 1.0 <= final["eval/simulated_tau"] <= 1.0 + (3 if method == "eagle3" else 1)
+
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert state["steps"] == 48 and state["method"] == method
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values() if t.is_floating_point())
+    assert "embed_tokens.weight" not in tensors  # borrowed from the target, never saved
+    assert (tmp_path / "README.md").read_text().strip()
+
+    model = hf_specdec.enable(build_tiny_llama(initializer_range=0.5))
+    head = load_eagle_head(tmp_path, target=model, method=method)
+    if method == "eagle3":
+        assert head.head_config.draft_vocab_size == 96
+    rng = random.Random(5)
+    prompts = [[2, 3] + [rng.randrange(10, 60) for _ in range(rng.randint(3, 8))] + [1, 2, 4] for _ in range(3)]
+    inputs = left_padded_batch(prompts)
+    plain = plain_generate(model, **inputs, max_new_tokens=20, do_sample=False)
+    out = model.generate(
+        **inputs, max_new_tokens=20, do_sample=False, return_dict_in_generate=True,
+        speculative_config={"method": method, "model": str(tmp_path), "num_speculative_tokens": 3},
+    )
+    assert torch.equal(out.sequences, plain)
+    assert out.spec_metrics["num_draft_tokens"] > 0
+
+
+def test_resume_continues_exactly(target_folder, data_file, tmp_path):
+    common = ["--method", "eagle3", "--draft-vocab-size", "96", "--ttt-steps", "2", "--max-steps", "5",
+              "--save-every", "2", "--keep-checkpoints", "5"]
+    full = _train(target_folder, data_file, tmp_path / "full", *common)
+    # a run killed after its step-2 checkpoint: what it leaves is the checkpoint and the log so far
+    killed = tmp_path / "killed"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_2", killed / "checkpoints" / "step_2")
+    resumed = _train(target_folder, data_file, killed, *common, "--resume")
+    full_losses = {r["step"]: r["loss"] for r in full if "loss" in r}
+    resumed_losses = {r["step"]: r["loss"] for r in resumed if "loss" in r}
+    assert sorted(resumed_losses) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert resumed_losses[step] == full_losses[step], (step, resumed_losses[step], full_losses[step])
+    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(killed / "model.safetensors"))
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_offline_hidden_states_cache(target_folder, data_file, tmp_path):
+    cache = tmp_path / "cache"
+    common = ["--method", "eagle3", "--draft-vocab-size", "96", "--ttt-steps", "2", "--num-epochs", "4",
+              "--hidden-states-cache", str(cache)]
+    log = _train(target_folder, data_file, tmp_path / "a", *common)
+    shards = sorted(p.name for p in (cache / "train").glob("*.safetensors"))
+    assert shards and (cache / "eval" / "fingerprint.json").is_file()
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert sum(losses[-4:]) < 0.8 * sum(losses[:4])
+    # a second run reads the cache (no new shard) and, from the same cached states, trains identically
+    again = _train(target_folder, data_file, tmp_path / "b", *common)
+    assert sorted(p.name for p in (cache / "train").glob("*.safetensors")) == shards
+    assert [r["loss"] for r in again if "loss" in r] == losses
+    # states cached for other records are refused, not reused
+    with pytest.raises(ValueError, match="hidden-states-cache .* was built for"):
+        _train(target_folder, data_file, tmp_path / "c", *common, "--max-records", "40")
+
+
+def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer):
+    rng = random.Random(1)
+    messages = tmp_path / "messages.jsonl"
+    messages.write_text("\n".join(json.dumps(_conversation(rng, sharegpt=False)) for _ in range(16)))
+    log = _train(target_folder, messages, tmp_path / "ok", "--method", "eagle", "--max-steps", "2")
+    assert [r["step"] for r in log if "loss" in r] == [1, 2]
+
+    no_turns = tmp_path / "no_turns.jsonl"
+    no_turns.write_text(json.dumps({"text": "w10 w11"}) + "\n")
+    with pytest.raises(ValueError, match="neither 'conversations'.*'messages'.*fields are \\['text'\\]"):
+        _train(target_folder, no_turns, tmp_path / "bad1")
+
+    no_template = tmp_path / "no_template"
+    shutil.copytree(target_folder, no_template)
+    config = json.loads((no_template / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in no_template.glob("chat_template.*"):
+        extra.unlink()
+    with pytest.raises(ValueError, match="no chat template"):
+        _train(no_template, messages, tmp_path / "bad2")
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=128)).save_pretrained(gpt2)
+    word_tokenizer.save_pretrained(gpt2)
+    shutil.copy(target_folder / "tokenizer_config.json", gpt2 / "tokenizer_config.json")
+    with pytest.raises(ValueError, match="does not expose decoder layers"):
+        _train(gpt2, messages, tmp_path / "bad3")
+
+    with pytest.raises(SystemExit):
+        trainer.parse_args(["--target", "x", "--data", "y", "--output", "z", "--method", "medusa"])
+
+
+def test_two_processes_train_the_same_head(target_folder, data_file, tmp_path):
+    common = ["--method", "eagle3", "--draft-vocab-size", "96", "--ttt-steps", "2", "--max-steps", "3"]
+    _train(target_folder, data_file, tmp_path / "one", *common)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_specdec.trainers.eagle",
+        "--target", str(target_folder), "--data", str(data_file), "--output", str(tmp_path / "two"),
+        "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "0", "--save-every", "0",
+        "--report-to", "none", "--num-threads", "1", "--max-length", "64", "--eval-fraction", "0.1", *common,
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one = load_file(str(tmp_path / "one" / "model.safetensors"))
+    two = load_file(str(tmp_path / "two" / "model.safetensors"))
+    assert one.keys() == two.keys()
+    for name in one:
+        # saved in bf16: equal up to one bf16 rounding step of fp32 noise
+        torch.testing.assert_close(one[name].float(), two[name].float(), rtol=1e-2, atol=1e-2, msg=name)
+    one_log = [json.loads(x) for x in (tmp_path / "one" / trainer.TRAIN_LOG).read_text().splitlines()]
+    two_log = [json.loads(x) for x in (tmp_path / "two" / trainer.TRAIN_LOG).read_text().splitlines()]
+    for a, b in zip([r["loss"] for r in one_log if "loss" in r], [r["loss"] for r in two_log if "loss" in r]):
+        assert abs(a - b) < 1e-4 * max(1.0, abs(a))

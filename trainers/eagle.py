@@ -1,0 +1,378 @@
+"""Train an EAGLE or EAGLE-3 draft head for any Llama-style Hugging Face causal LM.
+
+    accelerate launch -m hf_specdec.trainers.eagle --target <folder|Hub id> --data <file|Hub id> \\
+        --output <folder> --method eagle3 [--ttt-steps 7] [--max-steps N] ...
+    python -m hf_specdec.trainers.eagle ...          # the same on one process
+
+One step: the frozen target's hidden states for a global batch (online, or from
+`--hidden-states-cache`), the unrolled draft steps and their loss (`objectives.py`), one
+optimizer step. Each process takes its share of the global batch's rows; losses are normalised
+by the label count over all processes, so 1 and N processes train the same head up to
+floating-point noise. Checkpoints (`accelerator.save_state`: head, optimizer, scheduler, RNG and
+our progress counter) land in `<output>/checkpoints/step_N`; `--resume` continues from the
+newest, in the same data order (batches are a pure function of seed and epoch).
+
+The output folder is what `speculative_config={"method": ..., "model": <folder>}` loads:
+config.json, model.safetensors, README.md (model card), plus trainer_state.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hf_specdec.eagle_heads import EagleHead
+from hf_specdec.hub import head_card_fields, push_head_folder
+from hf_specdec.model_card import write_model_card
+
+from .data import (
+    TokenizedData,
+    collate,
+    length_grouped_batches,
+    load_records,
+    split_train_eval,
+    tokenize_records,
+)
+from .draft_vocab import frequent_tokens
+from .objectives import DraftTrainingObjective
+from .target_states import OfflineTargetStates, run_target
+
+CHECKPOINTS = "checkpoints"
+TRAIN_LOG = "train_log.jsonl"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hf_specdec.trainers.eagle", description=__doc__.split("\n")[0])
+    parser.add_argument("--target", required=True, help="target model: a local folder or a Hub id")
+    parser.add_argument("--data", required=True, help="conversations: a .json / .jsonl / .parquet file or a Hub dataset id")
+    parser.add_argument("--data-split", default="train", help="split of a Hub dataset")
+    parser.add_argument("--output", required=True, help="folder for the trained head, its card and checkpoints")
+    parser.add_argument("--method", choices=("eagle", "eagle3"), default="eagle3")
+    parser.add_argument("--num-layers", type=int, default=1, help="decoder layers in the head")
+    parser.add_argument("--draft-vocab-size", type=int, default=32000, help="EAGLE-3: size of the draft vocabulary")
+    parser.add_argument("--ttt-steps", type=int, default=None, help="unrolled draft steps (default: 7 for eagle3, 1 for eagle)")
+    parser.add_argument("--step-weight", type=float, default=0.8, help="loss weight of unrolled step j is step_weight**j")
+    parser.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (longer ones are cut)")
+    parser.add_argument("--max-records", type=int, default=None, help="use only the first N records")
+    parser.add_argument("--batch-size", type=int, default=8, help="conversations per optimizer step, over all processes")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--warmup-steps", type=int, default=100)
+    parser.add_argument("--num-epochs", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in total")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--eval-fraction", type=float, default=0.02, help="records held out for evaluation")
+    parser.add_argument("--eval-every", type=int, default=200, help="steps between held-out evaluations (0: only at the end)")
+    parser.add_argument("--max-eval-records", type=int, default=128)
+    parser.add_argument("--save-every", type=int, default=200, help="steps between checkpoints (0: none)")
+    parser.add_argument("--keep-checkpoints", type=int, default=2)
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
+    parser.add_argument("--hidden-states-cache", default=None, help="folder of an offline hidden-states cache (built when missing)")
+    parser.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no", help="for the head's training")
+    parser.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--report-to", choices=("auto", "none", "tensorboard"), default="auto",
+                        help="Accelerate tracker; auto = TensorBoard when installed")
+    parser.add_argument("--base-model", default=None, help="the target's Hub id for the model card (default: --target)")
+    parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the finished folder to this Hub repo")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads per process")
+    args = parser.parse_args(argv)
+    if args.ttt_steps is None:
+        args.ttt_steps = 7 if args.method == "eagle3" else 1
+    for name in ("num_layers", "ttt_steps", "max_length", "batch_size", "num_epochs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; allowed: an integer >= 1")
+    args.command = " ".join(["python -m hf_specdec.trainers.eagle", *(argv if argv is not None else sys.argv[1:])])
+    return args
+
+
+@dataclass
+class TrainingProgress:
+    """Our part of a checkpoint (Accelerate saves objects with state_dict / load_state_dict)."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def load_target(source: str, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    target.requires_grad_(False)
+    return target.eval(), tokenizer
+
+
+def build_head(args, target, train_data: TokenizedData) -> EagleHead:
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    draft_vocab = None
+    if args.method == "eagle3":
+        draft_vocab = frequent_tokens(train_data, min(args.draft_vocab_size, vocab_size), vocab_size)
+    head = EagleHead.for_target(target, args.method, num_layers=args.num_layers, draft_vocab=draft_vocab, seed=args.seed)
+    if args.method == "eagle3":
+        # start the draft lm_head from the target's rows for those tokens: the head's output lives
+        # in the space of the target's hidden states, and this is a far better start than noise
+        with torch.no_grad():
+            rows = torch.as_tensor(draft_vocab, dtype=torch.long)
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight[rows].to(head.lm_head.weight.dtype))
+    return head.train()
+
+
+def reduce_sum(accelerator, value: torch.Tensor) -> torch.Tensor:
+    return accelerator.reduce(value.detach().clone(), reduction="sum") if accelerator.num_processes > 1 else value.detach()
+
+
+def evaluate(accelerator, objective, target, eval_data: TokenizedData, batches, states_for) -> dict:
+    """Held-out loss, per-step draft accuracy and simulated acceptance length (k = the unrolled steps)."""
+    objective.eval()
+    totals: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for indices in batches:
+            batch = collate(eval_data, indices[accelerator.process_index :: accelerator.num_processes])
+            out = objective(batch.input_ids, batch.loss_mask, states_for(batch, eval_data), target.get_output_embeddings())
+            for key, value in out.items():
+                totals[key] = totals.get(key, 0) + value.detach()
+    objective.train()
+    totals = {k: reduce_sum(accelerator, v) for k, v in totals.items()}
+    count = max(int(totals["num_label_positions"]), 1)
+    metrics = {
+        "eval/loss": float(totals["loss_sum"]) / count,
+        "eval/simulated_tau": 1.0 + float(totals["accepted_len_sum"]) / max(int(totals["accepted_len_count"]), 1),
+    }
+    for step, (correct, counted) in enumerate(zip(totals["correct"].tolist(), totals["counted"].tolist())):
+        metrics[f"eval/accuracy_step_{step}"] = correct / max(counted, 1)
+    return metrics
+
+
+def newest_checkpoint(output: Path) -> Path | None:
+    folders = sorted((output / CHECKPOINTS).glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    return folders[-1] if folders else None
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    from accelerate import Accelerator
+    from accelerate.utils import is_tensorboard_available, set_seed
+    from tqdm.auto import tqdm
+    from transformers import get_cosine_schedule_with_warmup
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    output = Path(args.output)
+    log_with = None
+    if args.report_to == "tensorboard" or (args.report_to == "auto" and is_tensorboard_available()):
+        if not is_tensorboard_available():
+            raise ValueError("--report-to tensorboard needs the tensorboard package (pip install tensorboard)")
+        log_with = "tensorboard"
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=log_with, project_dir=str(output))
+    set_seed(args.seed)
+    if args.batch_size < accelerator.num_processes:
+        raise ValueError(
+            f"--batch-size={args.batch_size} is smaller than the {accelerator.num_processes} processes; "
+            "allowed: at least one conversation per process"
+        )
+
+    target, tokenizer = load_target(args.target, args.trust_remote_code)
+    target.to(accelerator.device)
+    records = load_records(args.data, args.data_split)
+    if args.max_records is not None:
+        records = records.select(range(min(args.max_records, len(records))))
+    data = tokenize_records(records, tokenizer, args.max_length)
+    train_ids, eval_ids = split_train_eval(len(data), args.eval_fraction, args.seed)
+    train_data, eval_data = data.subset(train_ids), data.subset(eval_ids[: args.max_eval_records])
+    head = build_head(args, target, train_data)
+    feature_layers = head.feature_layers_for(len(target.model.layers))
+
+    states_for = _target_states(args, accelerator, target, feature_layers, train_data, eval_data, tqdm)
+    objective = DraftTrainingObjective(head, num_steps=args.ttt_steps, step_weight=args.step_weight)
+    optimizer = torch.optim.AdamW(
+        [p for p in head.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay
+    )
+    train_lengths = [len(ids) for ids in train_data.input_ids]
+    batches_per_epoch = len(length_grouped_batches(train_lengths, args.batch_size, args.seed, 0))
+    total_steps = args.num_epochs * batches_per_epoch
+    if args.max_steps is not None:
+        total_steps = min(total_steps, args.max_steps)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, min(args.warmup_steps, total_steps), total_steps)
+    objective, optimizer, scheduler = accelerator.prepare(objective, optimizer, scheduler)
+    progress = TrainingProgress()
+    accelerator.register_for_checkpointing(progress)
+    if args.resume:
+        checkpoint = newest_checkpoint(output)
+        if checkpoint is None:
+            raise ValueError(f"--resume: no checkpoint under {str(output / CHECKPOINTS)!r}")
+        accelerator.load_state(str(checkpoint))
+        accelerator.print(f"resumed from {checkpoint} at step {progress.step}")
+    if log_with:
+        accelerator.init_trackers("eagle_head", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
+
+    eval_batches = [
+        list(range(i, min(i + args.batch_size, len(eval_data)))) for i in range(0, len(eval_data), args.batch_size)
+    ]
+    bar = tqdm(total=total_steps, initial=progress.step, disable=not accelerator.is_main_process, desc="training")
+    eval_metrics: dict = {}
+    started = time.perf_counter()
+    while progress.step < total_steps and progress.epoch < args.num_epochs:
+        batches = length_grouped_batches(train_lengths, args.batch_size, args.seed, progress.epoch)
+        for indices in batches[progress.batch_in_epoch :]:
+            if progress.step >= total_steps:
+                break
+            batch = collate(train_data, indices[accelerator.process_index :: accelerator.num_processes])
+            out = objective(batch.input_ids, batch.loss_mask, states_for(batch, train_data), target.get_output_embeddings())
+            label_count = reduce_sum(accelerator, out["num_label_positions"]).clamp(min=1)
+            loss = out["loss_sum"] * accelerator.num_processes / label_count
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(objective.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            progress.step += 1
+            progress.batch_in_epoch += 1
+            progress.tokens_seen += int(reduce_sum(accelerator, batch.lengths.sum()))
+            train_loss = float(reduce_sum(accelerator, out["loss_sum"])) / float(label_count)
+            record = {"step": progress.step, "loss": train_loss, "lr": scheduler.get_last_lr()[0],
+                      "tokens_seen": progress.tokens_seen, "seconds": time.perf_counter() - started}
+            if args.eval_every and progress.step % args.eval_every == 0:
+                eval_metrics = evaluate(accelerator, objective, target, eval_data, eval_batches, states_for)
+                record.update(eval_metrics)
+            _log(accelerator, output, record, log_with)
+            bar.update(1)
+            bar.set_postfix(loss=f"{train_loss:.3f}")
+            if args.save_every and progress.step % args.save_every == 0:
+                _save_checkpoint(accelerator, output, progress.step, args.keep_checkpoints)
+        else:
+            progress.epoch += 1
+            progress.batch_in_epoch = 0
+    bar.close()
+    if eval_data.input_ids and (not eval_metrics or not args.eval_every or progress.step % args.eval_every):
+        eval_metrics = evaluate(accelerator, objective, target, eval_data, eval_batches, states_for)
+        _log(accelerator, output, {"step": progress.step, **eval_metrics}, log_with)
+    if log_with:
+        accelerator.end_training()
+    if accelerator.is_main_process:
+        _write_output(args, accelerator.unwrap_model(objective).head, output, progress, eval_metrics, len(train_data))
+    accelerator.wait_for_everyone()
+    return output
+
+
+def _target_states(args, accelerator, target, feature_layers, train_data, eval_data, tqdm):
+    """A function (batch, data) -> TargetBatch: online forwards, or the offline cache (built first if needed)."""
+    if args.hidden_states_cache is None:
+        return lambda batch, data: run_target(target, batch.input_ids, feature_layers)
+    caches = {}
+    for name, data in (("train", train_data), ("eval", eval_data)):
+        fingerprint = {
+            "target": str(args.target), "feature_layers": list(feature_layers), "records": len(data),
+            "tokens_hash": _tokens_hash(data),
+        }
+        cache = OfflineTargetStates(Path(args.hidden_states_cache) / name, fingerprint)
+        # each process writes its share of the missing records, then everyone reads every shard
+        missing = cache.missing(range(len(data)))
+        if missing:
+            mine = missing[accelerator.process_index :: accelerator.num_processes]
+            bar = tqdm(total=len(mine), desc=f"caching {name} hidden states", disable=not accelerator.is_main_process)
+            shard = f"shard_{int(time.time())}_{accelerator.process_index:03d}"
+            cache.build(target, data, mine, feature_layers, args.batch_size, shard, bar)
+            bar.close()
+            accelerator.wait_for_everyone()
+            cache.reload()
+        caches[id(data)] = cache
+    dtype = target.dtype
+    return lambda batch, data: caches[id(data)].load(batch, dtype)
+
+
+def _tokens_hash(data: TokenizedData) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for ids, mask in zip(data.input_ids, data.loss_masks):
+        digest.update(json.dumps([ids, mask]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _log(accelerator, output: Path, record: dict, log_with) -> None:
+    if log_with:
+        accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+    if accelerator.is_main_process:
+        output.mkdir(parents=True, exist_ok=True)
+        with open(output / TRAIN_LOG, "a") as log:
+            log.write(json.dumps(record) + "\n")
+        if any(key.startswith("eval/") for key in record):
+            summary = ", ".join(f"{k[5:]} {v:.4f}" for k, v in record.items() if k.startswith("eval/"))
+            accelerator.print(f"step {record['step']}: {summary}")
+
+
+def _save_checkpoint(accelerator, output: Path, step: int, keep: int) -> None:
+    accelerator.save_state(str(output / CHECKPOINTS / f"step_{step}"))
+    if accelerator.is_main_process and keep > 0:
+        folders = sorted((output / CHECKPOINTS).glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        for old in folders[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def _write_output(args, head: EagleHead, output: Path, progress: TrainingProgress, eval_metrics: dict,
+                  num_train_records: int) -> None:
+    """The Hub-ready folder: the head in --save-dtype, its card, and how it was trained."""
+    import copy
+
+    saved = copy.deepcopy(head).to(getattr(torch, args.save_dtype)).eval()
+    saved.save_pretrained(output)
+    state = {
+        "method": args.method,
+        "target": args.target,
+        "data": args.data,
+        "num_train_records": num_train_records,
+        "steps": progress.step,
+        "epochs_completed": progress.epoch,
+        "tokens_seen": progress.tokens_seen,
+        "max_length": args.max_length,
+        "ttt_steps": args.ttt_steps,
+        "draft_vocab_size": head.head_config.draft_vocab_size,
+        "eval": eval_metrics,
+        "command": args.command,
+    }
+    (output / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+    fields = card_fields(state, args)
+    write_model_card(output, {**head_card_fields(saved.head_config), "repo_id": args.push_to_hub or str(output), **fields})
+    if args.push_to_hub:
+        push_head_folder(output, args.push_to_hub, card_fields=fields)
+
+
+def card_fields(state: dict, args) -> dict:
+    """The model card's training fields from a finished run (`trainer_state.json`)."""
+    tau = state["eval"].get("eval/simulated_tau")
+    return {
+        "base_model": args.base_model or args.target,
+        "training_data": args.data,
+        "num_records": state["num_train_records"],
+        "num_steps": state["steps"],
+        "tokens_seen": state["tokens_seen"],
+        "max_length": state["max_length"],
+        "ttt_steps": state["ttt_steps"],
+        "training_command": state["command"],
+        "tau": "not measured yet (simulated on held-out data during training: "
+        + ("n/a" if tau is None or math.isnan(tau) else f"{tau:.2f}") + ")",
+    }
+
+
+if __name__ == "__main__":
+    main()

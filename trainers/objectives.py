@@ -1,0 +1,155 @@
+"""What a head is trained to do: unrolled draft steps over a batch, and their losses.
+
+Notation (as in `hf_specdec.eagle_heads`): pair i is (target feature f[i], token t[i+1]) at
+position i; the head's output for it predicts the next feature, and the token t[i+2].
+
+**Training-time test** (EAGLE-3, arXiv:2503.01840). At inference the head drafts k tokens in a
+chain, feeding itself its own outputs; a head trained only on target features (step 0) never
+learns to read its own. So a batch is unrolled `num_steps` times, as the drafter runs:
+
+- step 0 reads the target's features at every position (causal attention over the sequence);
+- step j >= 1 reads, at pair index i, the head's step-(j-1) output there, paired with token
+  t[i+1+j], at position i + j, and predicts t[i+2+j].
+
+At inference, draft step j from context position i attends to the head's cache entries of real
+context (positions <= i) and to its own earlier drafts from that same position. With every
+step's keys appended to one `DynamicCache`, that is the mask below: block 0 causal, blocks 1..j
+the diagonal only. Tokens fed at steps >= 1 are the data's (teacher forcing), as SpecForge does;
+at inference a draft is only worth anything when it matches the target, which is when the two agree.
+
+**Labels** are the *target's* distributions, not the data's tokens: the head is judged on
+whether it predicts what the target would emit. EAGLE-3 scores a reduced draft vocabulary, so
+the target's probabilities are restricted to it and renormalised, and positions where the
+target's argmax lies outside it are skipped (the head cannot draft that token anyway).
+EAGLE (EAGLE-1, arXiv:2401.15077) adds the feature regression (SmoothL1 against the next target
+feature) to a 0.1-weighted cross-entropy through the target's own lm_head.
+
+Losses are returned as sums with the number of step-0 label positions; the caller divides by
+the count over every process, so one process with a batch of B and N processes with B / N each
+train the same head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from hf_specdec.eagle_heads import EagleHead
+
+
+@dataclass
+class TargetBatch:
+    """What the frozen target contributes to a batch (online forward or offline cache)."""
+
+    features: torch.Tensor  # [B, T, F] the head's input features (EAGLE-3: 3 layers concatenated)
+    final_hidden: torch.Tensor  # [B, T, H] the final norm's output: target logits = lm_head(final_hidden)
+
+
+def unroll_mask(length: int, step: int, device: torch.device) -> torch.Tensor:
+    """`[1, 1, length, length * (step + 1)]` bool: causal over step 0's keys, diagonal over steps 1..step."""
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(length, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)[None, None]
+
+
+def shifted(tokens: torch.Tensor, shift: int, width: int) -> torch.Tensor:
+    """`tokens[:, shift : shift + width]`, padded with 0 past the end."""
+    out = tokens.new_zeros(tokens.shape[0], width)
+    piece = tokens[:, shift : shift + width]
+    out[:, : piece.shape[1]] = piece
+    return out
+
+
+class DraftTrainingObjective(nn.Module):
+    """The module Accelerate prepares (DDP wraps it): one call runs every unrolled step of a batch.
+
+    Everything that needs gradients happens inside `forward`, so a distributed wrapper sees one
+    forward per backward however many draft steps are unrolled.
+    """
+
+    def __init__(self, head: EagleHead, num_steps: int = 1, step_weight: float = 0.8, eagle_ce_weight: float = 0.1):
+        super().__init__()
+        if num_steps < 1:
+            raise ValueError(f"--ttt-steps={num_steps} is invalid; allowed: an integer >= 1")
+        self.head = head
+        self.num_steps = num_steps
+        self.step_weights = [step_weight**j for j in range(num_steps)]
+        self.eagle_ce_weight = eagle_ce_weight
+
+    def forward(
+        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, target: TargetBatch, target_lm_head: nn.Module
+    ) -> dict[str, torch.Tensor]:
+        """Returns `loss_sum` (weighted over steps), `num_label_positions` (step 0), and per step
+        `correct` / `counted` ([num_steps] each: draft argmax == target argmax), plus
+        `accepted_len_sum` / `accepted_len_count` for the simulated acceptance length."""
+        head = self.head
+        batch, width = input_ids.shape
+        pairs = width - 1  # pair i = (f[i], t[i+1]) for i < width - 1
+        device = input_ids.device
+        positions = torch.arange(pairs, device=device).expand(batch, -1)
+        # q = i + 1 + j: the position whose target logits label (pair i, step j); valid where t[q+1] is trained on
+        label_at = torch.zeros(batch, width, dtype=torch.bool, device=device)
+        label_at[:, :-1] = loss_mask[:, 1:].bool()
+        with torch.no_grad():
+            label_rows, label_cols = label_at.nonzero(as_tuple=True)
+            target_logits = target_lm_head(target.final_hidden[label_rows, label_cols]).float()
+            target_argmax = target_logits.argmax(dim=-1)
+            if head.method == "eagle3":
+                in_draft_vocab = head.t2d[target_argmax]
+                target_probs = target_logits[:, head.t2d].softmax(dim=-1)
+            else:
+                in_draft_vocab = torch.ones_like(target_argmax, dtype=torch.bool)
+                target_probs = target_logits.softmax(dim=-1)
+            # index of each (row, q) in the label arrays, -1 where q carries no label
+            label_index = torch.full((batch, width), -1, dtype=torch.long, device=device)
+            label_index[label_rows, label_cols] = torch.arange(len(label_rows), device=device)
+
+        cache = DynamicCache()
+        features = target.features[:, :pairs].to(head.fc.weight.dtype)
+        loss_sum = features.new_zeros(())
+        correct = torch.zeros(self.num_steps, dtype=torch.long, device=device)
+        counted = torch.zeros(self.num_steps, dtype=torch.long, device=device)
+        hits = torch.zeros(batch, pairs, self.num_steps, dtype=torch.bool, device=device)
+        for step in range(self.num_steps):
+            hidden = head(
+                shifted(input_ids, 1 + step, pairs),
+                features,
+                positions + step,
+                fuse_features=step == 0,
+                cache=cache,
+                attention_mask=None if step == 0 else unroll_mask(pairs, step, device),
+            )
+            index = shifted(label_index, 1 + step, pairs)
+            rows, cols = (index >= 0).nonzero(as_tuple=True)
+            labels = index[rows, cols]
+            keep = in_draft_vocab[labels]
+            rows, cols, labels = rows[keep], cols[keep], labels[keep]
+            predicted = hidden[rows, cols]
+            draft_logits = head.compute_logits(predicted).float()
+            loss = -(target_probs[labels] * draft_logits.log_softmax(dim=-1)).sum()
+            if head.method == "eagle":
+                next_feature = target.final_hidden[rows, cols + 1 + step].to(predicted.dtype)
+                loss = self.eagle_ce_weight * loss + F.smooth_l1_loss(predicted, next_feature, reduction="sum") / predicted.shape[-1]
+            loss_sum = loss_sum + self.step_weights[step] * loss
+            with torch.no_grad():
+                hit = head.draft_to_target(draft_logits.argmax(dim=-1)) == target_argmax[labels]
+                correct[step] = hit.sum()
+                counted[step] = len(labels)
+                hits[rows, cols, step] = hit
+            features = hidden
+        with torch.no_grad():
+            # simulated acceptance length of a k = num_steps chain drafted from pair i: its leading hits
+            starts = shifted(label_index, 1, pairs) >= 0
+            leading = hits.long().cumprod(dim=-1).sum(dim=-1)
+        return {
+            "loss_sum": loss_sum,
+            "num_label_positions": starts.sum(),
+            "correct": correct,
+            "counted": counted,
+            "accepted_len_sum": leading[starts].sum(),
+            "accepted_len_count": starts.sum(),
+        }
