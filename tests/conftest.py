@@ -32,8 +32,11 @@ MODEL_SEED = 0
 INITIALIZER_RANGE = 0.1
 
 
-def build_tiny_llama(seed: int = MODEL_SEED, initializer_range: float = INITIALIZER_RANGE, **overrides):
-    config = LlamaConfig(
+def build_tiny_llama(
+    seed: int = MODEL_SEED, initializer_range: float = INITIALIZER_RANGE, **overrides
+) -> LlamaForCausalLM:
+    """A 2-layer random Llama in eval mode; `overrides` replace any of its config values."""
+    config = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
@@ -45,10 +48,28 @@ def build_tiny_llama(seed: int = MODEL_SEED, initializer_range: float = INITIALI
         eos_token_id=EOS_TOKEN_ID,
         bos_token_id=BOS_TOKEN_ID,
         initializer_range=initializer_range,
-        **overrides,
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(LlamaConfig(**{**config, **overrides})).eval()
+
+
+# the sampling tests enumerate every continuation of a few tokens: the vocabulary must be tiny
+SMALL_VOCAB_SIZE = 16
+
+
+def build_small_vocab_llama(seed: int = 0) -> LlamaForCausalLM:
+    """A 16-token Llama (pad 0, no eos / bos) whose logits spread far from uniform (initializer 0.3)."""
+    return build_tiny_llama(
+        seed,
+        initializer_range=0.3,
+        vocab_size=SMALL_VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
 
 
 def left_padded_batch(prompts: list[list[int]], pad_token_id: int = PAD_TOKEN_ID) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import (
     EOS_TOKEN_ID,
+    build_small_vocab_llama,
     build_tiny_llama,
     left_padded_batch,
     new_tokens,
@@ -19,12 +20,11 @@ from conftest import (
     repeated_span_prompts,
 )
 from test_sampling_distribution import (
-    NEW_TOKENS,
     PROMPT,
     SETTINGS,
-    VOCAB,
     chi_square_pvalue,
     exact_distribution,
+    speculative_samples,
 )
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -171,48 +171,16 @@ def test_drafts_equal_the_draft_models_greedy_continuation(drafts):
 # --- sampling ----------------------------------------------------------------------------------
 
 
-def _tiny_vocab_llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.3,
-        pad_token_id=0,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 @pytest.fixture(scope="module")
 def small_vocab_pair():
     """The 16-token target of test_sampling_distribution and a draft with other weights."""
-    return hf_specdec.enable(_tiny_vocab_llama(0)), _tiny_vocab_llama(1)
+    return hf_specdec.enable(build_small_vocab_llama(0)), build_small_vocab_llama(1)
 
 
 def _draft_samples(target, draft, sampling: dict, num_samples: int, seed: int) -> np.ndarray:
-    rows, samples = 500, []
-    for call in range(num_samples // rows):
-        input_ids = torch.tensor([PROMPT] * rows)
-        out = target.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=True,
-            pad_token_id=0,
-            return_dict_in_generate=True,
-            speculative_config=draft_config(draft, k=3, seed=seed + call * rows),
-            **sampling,
-        )
-        metrics = out.spec_metrics
-        assert 0 < metrics["num_accepted_tokens"] < metrics["num_draft_tokens"]
-        samples.append(out.sequences[:, len(PROMPT) :].numpy())
-    return np.concatenate(samples)
+    samples, metrics = speculative_samples(target, sampling, draft_config(draft, k=3), num_samples, seed)
+    assert all(0 < m["num_accepted_tokens"] < m["num_draft_tokens"] for m in metrics)
+    return samples
 
 
 @pytest.mark.parametrize("setting", ["temperature_topk_topp", "minp_repetition_penalty"])

@@ -17,20 +17,13 @@ import torch
 from conftest import (
     FIRST_WORD_ID,
     VOCAB_SIZE,
+    build_small_vocab_llama,
     build_tiny_llama,
     left_padded_batch,
     plain_generate,
     repeated_span_batch,
 )
-from test_sampling_distribution import (
-    NEW_TOKENS,
-    PROMPT,
-    SETTINGS,
-    VOCAB,
-    chi_square_pvalue,
-    exact_distribution,
-)
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_sampling_distribution import SETTINGS, chi_square_pvalue, exact_distribution, speculative_samples
 
 import hf_specdec
 from hf_specdec import decoding
@@ -96,54 +89,24 @@ def test_two_layer_head_and_custom_generate(tiny_llama, method):
     assert torch.equal(out, plain)
 
 
-def _sampling_model():
-    """The 16-token model of test_sampling_distribution.py (same config and seed)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.3,
-        pad_token_id=0,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    return hf_specdec.enable(LlamaForCausalLM(config).eval())
-
-
 # random heads whose drafts land in the sampled support often enough (5-30%) for both paths to run
 SAMPLING_HEAD_SEEDS = {"eagle": 0, "eagle3": 2}
 
 
 def _eagle_samples(model, method: str, sampling: dict) -> tuple[np.ndarray, int, int]:
     head = random_head(model, method, seed=SAMPLING_HEAD_SEEDS[method], draft_vocab_size=12)
-    rows, samples, drafted, accepted = 500, [], 0, 0
-    for call in range(8):
-        input_ids = torch.tensor([PROMPT] * rows)
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=True,
-            pad_token_id=0,
-            return_dict_in_generate=True,
-            speculative_config=eagle_config(method, head, 2, seed=1234 + call * rows),
-            **sampling,
-        )
-        drafted += out.spec_metrics["num_draft_tokens"]
-        accepted += out.spec_metrics["num_accepted_tokens"]
-        samples.append(out.sequences[:, len(PROMPT) :].numpy())
-    return np.concatenate(samples), drafted, accepted
+    samples, metrics = speculative_samples(
+        model, sampling, eagle_config(method, head, 2), num_samples=4000, seed=1234
+    )
+    drafted = sum(m["num_draft_tokens"] for m in metrics)
+    accepted = sum(m["num_accepted_tokens"] for m in metrics)
+    return samples, drafted, accepted
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_sampling_matches_exact_distribution(method):
     """Greedy drafts + one-hot q: sampled output follows the target's processed distribution."""
-    model = _sampling_model()
+    model = hf_specdec.enable(build_small_vocab_llama())
     sampling = SETTINGS["temperature_topk_topp"]
     samples, drafted, accepted = _eagle_samples(model, method, sampling)
     assert 0 < accepted < drafted, "drafts must be both accepted and rejected for the test to mean anything"
@@ -152,7 +115,7 @@ def test_sampling_matches_exact_distribution(method):
 
 def test_sampling_test_detects_always_accepting(monkeypatch):
     """The same test with a sampler that accepts every EAGLE draft fails: it has power here too."""
-    model = _sampling_model()
+    model = hf_specdec.enable(build_small_vocab_llama())
     sampling = SETTINGS["temperature_topk_topp"]
 
     def always_accept(metadata, logits, is_greedy, draws=None, draft_probs=None):

@@ -6,29 +6,19 @@ agrees with the full model often (drafts accepted) but not always (drafts reject
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from conftest import (
-    BOS_TOKEN_ID,
     EOS_TOKEN_ID,
-    INITIALIZER_RANGE,
-    MODEL_SEED,
     PAD_TOKEN_ID,
-    VOCAB_SIZE,
+    build_small_vocab_llama,
+    build_tiny_llama,
     left_padded_batch,
     new_tokens,
     plain_generate,
     repeated_span_batch,
 )
-from test_sampling_distribution import (
-    NEW_TOKENS,
-    PROMPT,
-    SETTINGS,
-    VOCAB,
-    chi_square_pvalue,
-    exact_distribution,
-)
+from test_sampling_distribution import SETTINGS, chi_square_pvalue, exact_distribution, speculative_samples
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_specdec
@@ -40,21 +30,7 @@ NUM_LAYERS = 4
 
 def build_target(num_layers: int = NUM_LAYERS, weak_from: int = 2, scale: float = 0.3) -> LlamaForCausalLM:
     """Tiny Llama whose layers from `weak_from` on add little to the residual stream."""
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=PAD_TOKEN_ID,
-        eos_token_id=EOS_TOKEN_ID,
-        bos_token_id=BOS_TOKEN_ID,
-        initializer_range=INITIALIZER_RANGE,
-    )
-    torch.manual_seed(MODEL_SEED)
-    model = LlamaForCausalLM(config).eval()
+    model = build_tiny_llama(num_hidden_layers=num_layers)
     with torch.no_grad():
         for layer in model.model.layers[weak_from:]:
             layer.self_attn.o_proj.weight.mul_(scale)
@@ -182,40 +158,14 @@ def test_ragged_rows_near_max_length(target):
 
 def test_sampled_drafts_follow_the_target_distribution():
     """Sampling: drafts are sampled from the early exit's q; the output follows the target's p."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.3,
-        pad_token_id=0,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    model = hf_specdec.enable(LlamaForCausalLM(config).eval())
+    model = hf_specdec.enable(build_small_vocab_llama())
     sampling = SETTINGS["temperature_topk_topp"]
     exact = exact_distribution(model, sampling)
-    samples, rows = [], 500
-    for call in range(8):
-        input_ids = torch.tensor([PROMPT] * rows)
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=True,
-            pad_token_id=0,
-            return_dict_in_generate=True,
-            speculative_config=layer_skip_config(1, k=3, seed=99 + call * rows),
-            **sampling,
-        )
-        metrics = out.spec_metrics
-        assert 0 < metrics["num_accepted_tokens"] < metrics["num_draft_tokens"]
-        samples.append(out.sequences[:, len(PROMPT) :].numpy())
-    assert chi_square_pvalue(np.concatenate(samples), exact) > 1e-3
+    samples, metrics = speculative_samples(
+        model, sampling, layer_skip_config(1, k=3), num_samples=4000, seed=99
+    )
+    assert all(0 < m["num_accepted_tokens"] < m["num_draft_tokens"] for m in metrics)
+    assert chi_square_pvalue(samples, exact) > 1e-3
 
 
 # --- configuration errors ----------------------------------------------------------------------

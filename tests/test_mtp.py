@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_llama, plain_generate, repeated_span_batch
 from safetensors.torch import load_file, save_file
-from test_sampling_distribution import NEW_TOKENS, PROMPT, SETTINGS, chi_square_pvalue, exact_distribution
+from test_sampling_distribution import SETTINGS, chi_square_pvalue, exact_distribution, speculative_samples
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache
 from transformers.generation import candidate_generator
 from transformers.modeling_layers import MtpModel
@@ -275,23 +274,11 @@ def test_sampled_mtp_drafts_follow_the_target_distribution():
     model = hf_specdec.enable(model)
     sampling = SETTINGS["temperature_topk_topp"]
     exact = exact_distribution(model, sampling)
-    samples, rows = [], 500
-    for call in range(8):
-        input_ids = torch.tensor([PROMPT] * rows)
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=True,
-            pad_token_id=0,
-            return_dict_in_generate=True,
-            speculative_config=mtp_config(2, model=mtp, seed=5 + call * rows),
-            **sampling,
-        )
-        metrics = out.spec_metrics
-        assert 0 < metrics["num_accepted_tokens"] < metrics["num_draft_tokens"]
-        samples.append(out.sequences[:, len(PROMPT) :].numpy())
-    assert chi_square_pvalue(np.concatenate(samples), exact) > 1e-3
+    samples, metrics = speculative_samples(
+        model, sampling, mtp_config(2, model=mtp), num_samples=4000, seed=5
+    )
+    assert all(0 < m["num_accepted_tokens"] < m["num_draft_tokens"] for m in metrics)
+    assert chi_square_pvalue(samples, exact) > 1e-3
 
 
 # --- errors ------------------------------------------------------------------------------------

@@ -14,15 +14,14 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from conftest import SMALL_VOCAB_SIZE, build_small_vocab_llama
 from scipy.stats import chisquare
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_specdec
 from hf_specdec import decoding
 from hf_specdec.metadata import SpecDecodeMetadata
 from hf_specdec.rejection_sampler import RandomDraws, rejection_sample
 
-VOCAB = 16
 NEW_TOKENS = 3
 PROMPT = [3, 5, 7, 3, 5, 7, 3, 5]  # repeats, so the n-gram drafter proposes "7 3 5 ..."
 SETTINGS = {
@@ -34,29 +33,14 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.3,  # logits spread enough that the distribution is far from uniform
-        pad_token_id=0,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    model = LlamaForCausalLM(config).eval()
-    return hf_specdec.enable(model)
+    return hf_specdec.enable(build_small_vocab_llama())
 
 
 def exact_distribution(model, sampling: dict) -> dict[tuple[int, ...], float]:
     """P(next 3 tokens) by enumeration, from plain generate()'s processed scores at every prefix."""
     probs: dict[tuple[int, ...], torch.Tensor] = {}
     for depth in range(NEW_TOKENS):
-        suffixes = list(itertools.product(range(VOCAB), repeat=depth))
+        suffixes = list(itertools.product(range(SMALL_VOCAB_SIZE), repeat=depth))
         input_ids = torch.tensor([PROMPT + list(s) for s in suffixes])
         out = model.generate(
             input_ids=input_ids,
@@ -73,13 +57,25 @@ def exact_distribution(model, sampling: dict) -> dict[tuple[int, ...], float]:
             probs[suffix] = p
     return {
         triple: float(probs[()][triple[0]] * probs[triple[:1]][triple[1]] * probs[triple[:2]][triple[2]])
-        for triple in itertools.product(range(VOCAB), repeat=NEW_TOKENS)
+        for triple in itertools.product(range(SMALL_VOCAB_SIZE), repeat=NEW_TOKENS)
     }
 
 
-def speculative_samples(model, sampling: dict, num_samples: int, seed: int) -> np.ndarray:
-    rows = 500
-    samples = []
+NGRAM_CONFIG = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+
+
+def speculative_samples(
+    model, sampling: dict, speculative_config: dict, num_samples: int, seed: int, rows: int = 500
+) -> tuple[np.ndarray, list[dict]]:
+    """`num_samples` sampled NEW_TOKENS-token continuations of PROMPT, `rows` per generate call, and
+    each call's `spec_metrics`. Call i runs `speculative_config` with seed `seed + i * rows` (row r
+    then samples with `seed + i * rows + r`: no two rows share draws). Every call must draft."""
+    samples, metrics = [], []
     for call in range(num_samples // rows):
         input_ids = torch.tensor([PROMPT] * rows)
         out = model.generate(
@@ -89,18 +85,13 @@ def speculative_samples(model, sampling: dict, num_samples: int, seed: int) -> n
             do_sample=True,
             pad_token_id=0,
             return_dict_in_generate=True,
-            speculative_config={
-                "method": "ngram",
-                "num_speculative_tokens": 3,
-                "prompt_lookup_min": 1,
-                "prompt_lookup_max": 3,
-                "seed": seed + call * rows,
-            },
+            speculative_config={**speculative_config, "seed": seed + call * rows},
             **sampling,
         )
         assert out.spec_metrics["num_draft_tokens"] > 0
         samples.append(out.sequences[:, len(PROMPT) :].numpy())
-    return np.concatenate(samples)
+        metrics.append(out.spec_metrics)
+    return np.concatenate(samples), metrics
 
 
 def chi_square_pvalue(samples: np.ndarray, exact: dict[tuple[int, ...], float]) -> float:
@@ -126,7 +117,7 @@ def chi_square_pvalue(samples: np.ndarray, exact: dict[tuple[int, ...], float]) 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_speculative_sampling_matches_exact_distribution(model, setting):
     exact = exact_distribution(model, SETTINGS[setting])
-    samples = speculative_samples(model, SETTINGS[setting], num_samples=4000, seed=1234)
+    samples, _ = speculative_samples(model, SETTINGS[setting], NGRAM_CONFIG, num_samples=4000, seed=1234)
     assert chi_square_pvalue(samples, exact) > 1e-3
 
 
@@ -140,15 +131,15 @@ def test_broken_sampler_is_detected(model, monkeypatch):
         return rejection_sample(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs)
 
     monkeypatch.setattr(decoding, "rejection_sample", always_accept)
-    samples = speculative_samples(model, sampling, num_samples=4000, seed=1234)
+    samples, _ = speculative_samples(model, sampling, NGRAM_CONFIG, num_samples=4000, seed=1234)
     assert chi_square_pvalue(samples, exact) < 1e-6
 
 
 def test_seeded_sampling_reproduces(model):
     sampling = SETTINGS["temperature_topk_topp"]
-    first = speculative_samples(model, sampling, num_samples=500, seed=7)
-    again = speculative_samples(model, sampling, num_samples=500, seed=7)
-    other = speculative_samples(model, sampling, num_samples=500, seed=8)
+    first, _ = speculative_samples(model, sampling, NGRAM_CONFIG, num_samples=500, seed=7)
+    again, _ = speculative_samples(model, sampling, NGRAM_CONFIG, num_samples=500, seed=7)
+    other, _ = speculative_samples(model, sampling, NGRAM_CONFIG, num_samples=500, seed=8)
     assert np.array_equal(first, again)
     assert not np.array_equal(first, other)
 
