@@ -4,11 +4,11 @@
     python benchmarks/bench_generate.py --sets humaneval:8 --batch-sizes 1
     python benchmarks/bench_generate.py --memory              # KV blocks vs tokens held, peak RSS
 
-For every batch the arms run back to back (plain, ours, transformers' prompt lookup at batch 1),
-in an order that alternates between batches, so machine noise hits them alike. Reported: median
-tokens/s per arm, the median of the per-batch ratios, tau, acceptance per position, and the share
-of rows token-identical to plain greedy; each divergence is reported with the target's top-2
-logit gap at the first differing position (only a near-tie may diverge).
+The speed runs are `hf-specdec bench --method ngram` (`hf_specdec/bench/`) over several prompt
+sets and batch sizes: arms interleaved per batch in alternating order; median tokens/s, ratio to
+plain, TTFT / TPOT, tau, acceptance per position, token identity with plain greedy (each
+divergence with its top-2 logit gap). `--memory` measures the KV cache and peak RSS on a
+mixed-length batch, one fresh process per arm.
 """
 
 from __future__ import annotations
@@ -16,121 +16,26 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 import hf_specdec
-from hf_specdec.real_models import humaneval_prompts, load_smollm2, mtbench_prompts, sharegpt_conversations
-
-PROMPT_SETS = {"humaneval": humaneval_prompts, "mt-bench": mtbench_prompts}
-
-
-def count_new_tokens(sequences: torch.Tensor, prompt_width: int, eos_token_id: int, pad_token_id: int) -> int:
-    """New tokens per row up to and including EOS (the padding after it is not work)."""
-    total = 0
-    for row in sequences[:, prompt_width:].tolist():
-        total += row.index(eos_token_id) + 1 if eos_token_id in row else len([t for t in row if t != pad_token_id])
-    return total
-
-
-def top2_gap_at_divergence(model, plain_row: torch.Tensor, spec_row: torch.Tensor, prompt_width: int, num_pad: int):
-    """(new-token index, top-2 logit gap of the target there) at the first differing token."""
-    position = int((plain_row != spec_row).nonzero()[0])
-    prefix = plain_row[num_pad:position]
-    with torch.no_grad():
-        logits = model(prefix[None]).logits[0, -1].float()
-    top2 = logits.topk(2).values
-    return position - prompt_width, float(top2[0] - top2[1])
+from hf_specdec.bench import BenchSettings, format_table, load_prompts, run_benchmark
+from hf_specdec.real_models import load_smollm2, sharegpt_conversations
 
 
 def run_set(model, tokenizer, name: str, limit: int, batch_size: int, args) -> dict:
-    prompts = PROMPT_SETS[name](tokenizer, limit=limit)
-    config = {
-        "method": "ngram",
-        "num_speculative_tokens": args.k,
-        "prompt_lookup_min": args.prompt_lookup_min,
-        "prompt_lookup_max": args.prompt_lookup_max,
-    }
-    arms = {
-        "plain": {},
-        "ngram": {"speculative_config": config, "return_dict_in_generate": True},
-    }
+    extra = {"prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
     if args.no_match:  # the drafter never proposes: our loop's overhead against plain decoding
-        config["disable_by_batch_size"] = 1
-    elif batch_size == 1:  # transformers' assisted generation raises for batch > 1
-        arms["hf_prompt_lookup"] = {
-            "prompt_lookup_num_tokens": args.k,
-            "max_matching_ngram_size": args.prompt_lookup_max,
-        }
-    rates: dict[str, list[float]] = {arm: [] for arm in arms}
-    ratios: dict[str, list[float]] = {arm: [] for arm in arms if arm != "plain"}
-    rows = identical = 0
-    divergences = []
-    metrics = hf_specdec.SpecDecodeMetrics()
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    for index, batch in enumerate(batches):
-        inputs = tokenizer(batch, return_tensors="pt", padding=True)
-        width = inputs.input_ids.shape[1]
-        order = list(arms) if index % 2 == 0 else list(reversed(arms))
-        outputs, seconds = {}, {}
-        for arm in order:
-            start = time.perf_counter()
-            out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, **arms[arm])
-            seconds[arm] = time.perf_counter() - start
-            outputs[arm] = out
-        spec = outputs["ngram"]
-        metrics.merge(hf_specdec.SpecDecodeMetrics(**{
-            k: v for k, v in spec.spec_metrics.items() if k not in ("mean_acceptance_length", "draft_acceptance_rate")
-        }))
-        plain = outputs["plain"]
-        for arm in arms:
-            sequences = outputs[arm] if isinstance(outputs[arm], torch.Tensor) else outputs[arm].sequences
-            rates[arm].append(count_new_tokens(sequences, width, eos, pad) / seconds[arm])
-        for arm in ratios:
-            ratios[arm].append(rates[arm][-1] / rates["plain"][-1])
-        for row in range(len(batch)):
-            rows += 1
-            if plain.shape == spec.sequences.shape and torch.equal(plain[row], spec.sequences[row]):
-                identical += 1
-                continue
-            width_max = max(plain.shape[1], spec.sequences.shape[1])
-            a = torch.nn.functional.pad(plain[row], (0, width_max - plain.shape[1]), value=pad)
-            b = torch.nn.functional.pad(spec.sequences[row], (0, width_max - spec.sequences.shape[1]), value=pad)
-            if torch.equal(a, b):
-                identical += 1
-                continue
-            num_pad = width - int(inputs.attention_mask[row].sum())
-            where = top2_gap_at_divergence(model, a, b, width, num_pad)
-            divergences.append({"prompt": index * batch_size + row, "new_token": where[0], "top2_gap": where[1]})
-        print(
-            f"  {name} bs={batch_size} batch {index + 1}/{len(batches)}: "
-            + ", ".join(f"{arm} {rates[arm][-1]:.1f} tok/s" for arm in arms),
-            flush=True,
-        )
-    return {
-        "set": name,
-        "batch_size": batch_size,
-        "num_prompts": len(prompts),
-        "median_tokens_per_s": {arm: statistics.median(v) for arm, v in rates.items()},
-        "median_ratio_vs_plain": {arm: statistics.median(v) for arm, v in ratios.items()},
-        "tau": metrics.mean_acceptance_length,
-        "draft_acceptance_rate": metrics.draft_acceptance_rate,
-        "accepted_per_position": [
-            n / metrics.num_drafts for n in metrics.num_accepted_tokens_per_pos
-        ] if metrics.num_drafts else [],
-        "tokens_per_target_forward": metrics.num_emitted_tokens / max(metrics.num_target_forwards, 1),
-        "identical_fraction": identical / rows,
-        "divergences": divergences,
-        "time_split_s": {
-            "draft": metrics.draft_seconds, "verify": metrics.verify_seconds, "sampler": metrics.sampler_seconds,
-            "total": metrics.total_seconds,
-        },
-    }
+        extra["disable_by_batch_size"] = 1
+    settings = BenchSettings(
+        method="ngram", k=args.k, batch_size=batch_size, max_new_tokens=args.max_new_tokens, extra_config=extra
+    )
+    results = run_benchmark(model, tokenizer, load_prompts(name, tokenizer, limit=limit), settings)
+    print(format_table(results), flush=True)
+    return {"set": name, **results}
 
 
 def mixed_length_batch(tokenizer, lengths: list[int]) -> list[str]:
@@ -204,10 +109,7 @@ def main() -> None:
         for spec in args.sets.split(","):
             name, count = spec.split(":")
             for batch_size in args.batch_sizes:
-                run = run_set(model, tokenizer, name, int(count), batch_size, args)
-                results["runs"].append(run)
-                print(json.dumps({k: v for k, v in run.items() if k != "divergences"}, indent=1), flush=True)
-                print(f"  divergences: {run['divergences']}", flush=True)
+                results["runs"].append(run_set(model, tokenizer, name, int(count), batch_size, args))
     from pathlib import Path
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

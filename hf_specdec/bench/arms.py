@@ -1,0 +1,112 @@
+"""The arms of a benchmark: what each passes to `model.generate()`.
+
+- "plain": transformers' greedy `generate()`;
+- "transformers": transformers' own speculation for the method, where it has one (batch size 1
+  only: its assisted generation refuses larger batches): prompt lookup for ngram, an assistant
+  model for draft_model, `assistant_early_exit` for layer_skip, `use_mtp` for mtp;
+- "ours": `speculative_config` at the requested k (or "auto");
+- "ours_k{k}": ours at each k of the sweep (the speedup-vs-k plot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from ..config import SpeculativeConfig
+from ..proposers.draft_model import load_draft_model
+
+
+@dataclass
+class BenchSettings:
+    """What to compare.
+
+    Args:
+        method: our drafter (`speculative_config.method`).
+        k: num_speculative_tokens of the "ours" arm, an int or "auto".
+        batch_size: prompts per generate() call.
+        max_new_tokens: per generate() call.
+        sweep_ks: ks of the sweep arms ("ours" stands in for its own k).
+        draft: `speculative_config.model` (draft model / EAGLE head: folder, Hub id or loaded).
+        early_exit_layer: layer_skip's N.
+        extra_config: more speculative_config keys, for every arm of ours (prompt_lookup_min, ...).
+    """
+
+    method: str = "ngram"
+    k: int | str = 5
+    batch_size: int = 1
+    max_new_tokens: int = 256
+    sweep_ks: tuple[int, ...] = ()
+    draft: Any = None
+    early_exit_layer: int | None = None
+    extra_config: dict = field(default_factory=dict)
+
+    def speculative_config(self, k: int | str) -> SpeculativeConfig:
+        """Our config at `k` (validated: a bad setting fails before any run)."""
+        config = {"method": self.method, "num_speculative_tokens": k, **self.extra_config}
+        if self.draft is not None:
+            config["model"] = self.draft
+        if self.early_exit_layer is not None:
+            config["early_exit_layer"] = self.early_exit_layer
+        return SpeculativeConfig.from_any(config)
+
+    def to_dict(self) -> dict:
+        """JSON-friendly: a loaded draft is named by its class."""
+        draft = self.draft if self.draft is None or isinstance(self.draft, str) else type(self.draft).__name__
+        return {**self.__dict__, "draft": draft, "sweep_ks": list(self.sweep_ks)}
+
+
+@dataclass
+class Arm:
+    """One way of generating: a name, the generate() keyword arguments, and our k (None: not ours)."""
+
+    name: str
+    generate_kwargs: dict
+    k: int | str | None = None
+
+
+def build_arms(settings: BenchSettings, model: PreTrainedModel) -> list[Arm]:
+    """plain, transformers' own (batch size 1, where it exists), ours, then the sweep's other ks."""
+    ours = settings.speculative_config(settings.k)
+    arms = [Arm("plain", {})]
+    own = transformers_option(ours, model) if settings.batch_size == 1 else None
+    if own is not None:
+        arms.append(Arm("transformers", own))
+    arms.append(Arm("ours", _ours_kwargs(ours), settings.k))
+    for k in settings.sweep_ks:
+        if k != settings.k:
+            arms.append(Arm(f"ours_k{k}", _ours_kwargs(settings.speculative_config(k)), k))
+    return arms
+
+
+def sweep_arm_names(settings: BenchSettings) -> dict[int, str]:
+    """k -> the arm measuring it."""
+    return {k: "ours" if k == settings.k else f"ours_k{k}" for k in settings.sweep_ks}
+
+
+def transformers_option(config: SpeculativeConfig, model: PreTrainedModel) -> dict | None:
+    """transformers' own generate() arguments for `config.method`, None where it has none (EAGLE).
+
+    A fixed k is passed as a constant number of candidates; with "auto", transformers' own
+    adaptive schedule (+2 after a fully accepted step, -1 otherwise) starts from our maximum.
+    """
+    schedule = "heuristic_transient" if config.auto_k else "constant"
+    candidates = {"num_assistant_tokens": config.max_draft_tokens, "num_assistant_tokens_schedule": schedule}
+    if config.method == "ngram":
+        return {
+            "prompt_lookup_num_tokens": config.max_draft_tokens,
+            "max_matching_ngram_size": config.prompt_lookup_max,
+        }
+    if config.method == "draft_model":
+        return {"assistant_model": load_draft_model(config.model, model), **candidates}
+    if config.method == "layer_skip":
+        return {"assistant_early_exit": config.early_exit_layer, **candidates}
+    if config.method == "mtp":
+        return {"use_mtp": True}
+    return None
+
+
+def _ours_kwargs(config: SpeculativeConfig) -> dict:
+    return {"speculative_config": config, "return_dict_in_generate": True}

@@ -1,0 +1,262 @@
+"""Timed, interleaved runs of every arm, and what they measure.
+
+After one untimed warm-up call per arm, for every batch of prompts the arms run back to back,
+in an order reversed from one batch to the next, so machine noise hits them alike. Each arm
+runs twice per batch: with max_new_tokens=1 (its time to first token, TTFT: the prompt
+forward) and in full. Greedy
+throughout, so every speculative arm must reproduce plain `generate()`; a row that does not is
+reported with the target's top-2 logit gap at its first differing token (only a near-tie may
+differ, see the README's exactness section).
+
+Per arm: median TTFT, median TPOT ((total - TTFT) / (new tokens of the longest row - 1)),
+median tokens/s (every row's new tokens up to EOS), the median over batches of the tokens/s
+ratio to plain, the share of rows token-identical to plain; for ours also tau, alpha (the
+conditional acceptance, `SpecDecodeMetrics.conditional_acceptance_rate`), acceptance per
+position, the k chosen and the measured c:
+
+    c = (ours' time per decode step / plain's time per decode step - 1) / drafts per row-step
+
+a decode step's time being (total - TTFT) / (forwards - 1): the draft + verify + sampling of a
+step against plain's one-token step, the quantity the closed form and `auto_k` use. (Rows leave
+our batch as they finish, plain's stay to the end: at batch > 1, c is an average over sizes.)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ..auto_k import predicted_speedup
+from ..metrics import SpecDecodeMetrics
+from .arms import Arm, BenchSettings, build_arms, sweep_arm_names
+
+
+@dataclass
+class ArmRuns:
+    """One arm's measurements, one entry per batch."""
+
+    arm: Arm
+    ttft_s: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)  # every row's, up to EOS
+    longest_row: list[int] = field(default_factory=list)  # new tokens of the longest row
+    forwards: list[int] = field(default_factory=list)  # target forwards of the full call
+    metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)  # ours: merged spec_metrics
+    rows: int = 0
+    identical: int = 0
+    divergences: list[dict] = field(default_factory=list)
+
+    def tokens_per_s(self) -> list[float]:
+        return [n / s for n, s in zip(self.new_tokens, self.seconds)]
+
+    def decode_step_s(self) -> float | None:
+        """Seconds per forward after the first (the prompt's), pooled over batches."""
+        steps = sum(f - 1 for f in self.forwards)
+        return sum(s - t for s, t in zip(self.seconds, self.ttft_s)) / steps if steps > 0 else None
+
+
+def run_benchmark(
+    model: PreTrainedModel, tokenizer, prompts: list[str], settings: BenchSettings, progress: bool = True
+) -> dict:
+    """Every arm of `settings` over `prompts`; returns the results (`report.py` prints / saves them).
+
+    `model` must have `hf_specdec.enable(model)` applied; `tokenizer` pads on the left.
+    """
+    arms = build_arms(settings, model)
+    runs = {arm.name: ArmRuns(arm) for arm in arms}
+    batches = [prompts[i : i + settings.batch_size] for i in range(0, len(prompts), settings.batch_size)]
+    eos_ids = _eos_ids(model, tokenizer)
+    # one untimed short call per arm first: one-time costs (numba compiling the n-gram kernel, a
+    # draft model's loading, allocator warm-up) must not land in the first batch's timings
+    warmup = tokenizer(batches[0], return_tensors="pt", padding=True).to(model.device)
+    for arm in arms:
+        model.generate(**warmup, **_generate_kwargs(arm, tokenizer), max_new_tokens=2)
+    bar = tqdm(
+        batches, desc=f"bench {settings.method} bs={settings.batch_size}", unit="batch", disable=not progress
+    )
+    for index, batch in enumerate(bar):
+        inputs = tokenizer(batch, return_tensors="pt", padding=True).to(model.device)
+        generated = {}  # arm -> each row's new tokens
+        for arm in arms if index % 2 == 0 else arms[::-1]:
+            sequences = _run_arm(model, inputs, arm, settings.max_new_tokens, tokenizer, runs[arm.name])
+            generated[arm.name] = [
+                _row_tokens(row, eos_ids, tokenizer.pad_token_id)
+                for row in sequences[:, inputs["input_ids"].shape[1] :].tolist()
+            ]
+            runs[arm.name].new_tokens.append(sum(len(row) for row in generated[arm.name]))
+            runs[arm.name].longest_row.append(max(len(row) for row in generated[arm.name]))
+        first_prompt = index * settings.batch_size
+        for arm in arms[1:]:
+            _compare_with_plain(
+                model, inputs, generated["plain"], generated[arm.name], runs[arm.name], first_prompt
+            )
+        bar.set_postfix(
+            ours_vs_plain=f"{runs['ours'].tokens_per_s()[-1] / runs['plain'].tokens_per_s()[-1]:.2f}x"
+        )
+    return summarize(runs, settings, num_prompts=len(prompts))
+
+
+def _run_arm(model, inputs, arm: Arm, max_new_tokens: int, tokenizer, runs: ArmRuns) -> torch.Tensor:
+    """The TTFT call then the full call; records their times; returns the full call's sequences."""
+    common = {**inputs, **_generate_kwargs(arm, tokenizer)}
+    start = _now(model)
+    model.generate(**common, max_new_tokens=1)
+    runs.ttft_s.append(_now(model) - start)
+    start = _now(model)
+    out = model.generate(**common, max_new_tokens=max_new_tokens)
+    runs.seconds.append(_now(model) - start)
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    spec_metrics = getattr(out, "spec_metrics", None)
+    if spec_metrics is not None:
+        runs.metrics.merge(SpecDecodeMetrics.from_dict(spec_metrics))
+        runs.forwards.append(spec_metrics["num_target_forwards"])
+    else:  # transformers' plain generate: one forward per generated column
+        runs.forwards.append(sequences.shape[1] - inputs["input_ids"].shape[1])
+    return sequences
+
+
+def _generate_kwargs(arm: Arm, tokenizer) -> dict:
+    return {"do_sample": False, "pad_token_id": tokenizer.pad_token_id, **arm.generate_kwargs}
+
+
+def _now(model) -> float:
+    if model.device.type == "cuda":  # kernels run asynchronously: wait for them before reading the clock
+        torch.cuda.synchronize(model.device)
+    return time.perf_counter()
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
+def _row_tokens(row: list[int], eos_ids: set[int], pad_token_id: int | None) -> list[int]:
+    """A row's new tokens up to and including its EOS; without one, less the padding at its end."""
+    for position, token in enumerate(row):
+        if token in eos_ids:
+            return row[: position + 1]
+    while row and row[-1] == pad_token_id:
+        row = row[:-1]
+    return row
+
+
+def _compare_with_plain(
+    model, inputs, plain: list[list[int]], other: list[list[int]], runs: ArmRuns, first_prompt: int
+) -> None:
+    """Counts the rows identical to plain; records each other row's first difference and top-2 gap."""
+    for row, (expected, got) in enumerate(zip(plain, other)):
+        runs.rows += 1
+        if expected == got:
+            runs.identical += 1
+            continue
+        position = next(
+            (i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got))
+        )
+        prompt = inputs["input_ids"][row][inputs["attention_mask"][row].bool()]
+        runs.divergences.append(
+            {
+                "prompt": first_prompt + row,
+                "new_token": position,
+                "top2_gap": top2_gap(model, prompt, expected[:position]),
+            }
+        )
+
+
+def top2_gap(model: PreTrainedModel, prompt: torch.Tensor, generated: list[int]) -> float:
+    """The target's top-2 logit gap for the token after `prompt` + `generated`: where greedy outputs
+    differ, a gap near 0 is a near-tie (fp rounding may pick either), a large one a real bug."""
+    ids = torch.cat([prompt, torch.tensor(generated, dtype=prompt.dtype, device=prompt.device)])
+    with torch.no_grad():
+        top2 = model(ids[None]).logits[0, -1].float().topk(2).values
+    return float(top2[0] - top2[1])
+
+
+def summarize(runs: dict[str, ArmRuns], settings: BenchSettings, num_prompts: int) -> dict:
+    """Per-arm statistics, and the sweep against the closed form."""
+    plain = runs["plain"]
+    plain_rates, plain_step = plain.tokens_per_s(), plain.decode_step_s()
+    arms = {}
+    for name, arm_runs in runs.items():
+        rates = arm_runs.tokens_per_s()
+        tpot = [
+            (s - t) / (n - 1)
+            for s, t, n in zip(arm_runs.seconds, arm_runs.ttft_s, arm_runs.longest_row)
+            if n > 1
+        ]
+        summary = {
+            "k": arm_runs.arm.k,
+            "ttft_s": statistics.median(arm_runs.ttft_s),
+            "tpot_s": statistics.median(tpot) if tpot else None,
+            "tokens_per_s": statistics.median(rates),
+            "ratio_vs_plain": statistics.median(r / p for r, p in zip(rates, plain_rates)),
+            "identical_fraction": arm_runs.identical / arm_runs.rows if arm_runs.rows else 1.0,
+            "divergences": arm_runs.divergences,
+        }
+        if arm_runs.arm.k is not None:
+            summary.update(_speculation_summary(arm_runs, plain_step))
+        arms[name] = summary
+    results = {
+        "settings": settings.to_dict(),
+        "num_prompts": num_prompts,
+        "arms": arms,
+    }
+    if settings.sweep_ks:
+        results["sweep"] = sweep_summary(runs, settings, arms)
+    return results
+
+
+def _speculation_summary(runs: ArmRuns, plain_step_s: float | None) -> dict:
+    metrics = runs.metrics
+    drafts_per_row_step = metrics.num_draft_tokens / metrics.num_row_steps if metrics.num_row_steps else 0.0
+    step_s = runs.decode_step_s()
+    c = None
+    if step_s is not None and plain_step_s and drafts_per_row_step > 0:
+        c = (step_s / plain_step_s - 1) / drafts_per_row_step
+    return {
+        "tau": metrics.mean_acceptance_length,
+        "alpha": metrics.conditional_acceptance_rate,
+        "draft_acceptance_rate": metrics.draft_acceptance_rate,
+        "acceptance_per_position": [n / metrics.num_drafts for n in metrics.num_accepted_tokens_per_pos]
+        if metrics.num_drafts
+        else [],
+        "c": c,
+        "drafts_per_row_step": drafts_per_row_step,
+        "mean_k_chosen": metrics.mean_k_chosen,
+        "k_chosen_counts": metrics.k_chosen_counts,
+        "tokens_per_target_forward": metrics.num_emitted_tokens / max(metrics.num_target_forwards, 1),
+        "time_split_s": {
+            "draft": metrics.draft_seconds,
+            "verify": metrics.verify_seconds,
+            "sampler": metrics.sampler_seconds,
+            "total": metrics.total_seconds,
+        },
+    }
+
+
+def sweep_summary(runs: dict[str, ArmRuns], settings: BenchSettings, arms: dict[str, dict]) -> dict:
+    """Measured speedup per k next to the closed form's, from the alpha and c measured over the sweep.
+
+    alpha pools the sweep's acceptance counts; c is the median of the sweep arms' c (clamped at 0:
+    a noisy negative value means drafts cost nothing measurable).
+    """
+    names = sweep_arm_names(settings)
+    pooled = SpecDecodeMetrics()
+    for name in names.values():
+        pooled.merge(runs[name].metrics)
+    alpha = pooled.conditional_acceptance_rate
+    measured_c = [arms[name]["c"] for name in names.values() if arms[name]["c"] is not None]
+    c = max(statistics.median(measured_c), 0.0) if measured_c else 0.0
+    ks = sorted(names)
+    return {
+        "k": ks,
+        "measured_speedup": [arms[names[k]]["ratio_vs_plain"] for k in ks],
+        "predicted_speedup": [predicted_speedup(alpha, c, k) for k in ks],
+        "alpha": alpha,
+        "c": c,
+    }

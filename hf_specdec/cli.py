@@ -1,0 +1,152 @@
+"""The `hf-specdec` command.
+
+    hf-specdec bench --model <folder|Hub id|smollm2> --method ngram --prompts mt-bench --num-prompts 20 \\
+        --batch-size 1 --k auto --out results.json --png speedup.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .config import AUTO, METHODS
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `hf-specdec` console script; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.command(args)
+    except ValueError as error:  # bad input: the message names the field, as everywhere else
+        parser.error(str(error))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-specdec", description="hf-specdec: speculative decoding for transformers"
+    )
+    commands = parser.add_subparsers(required=True, metavar="command")
+    bench = commands.add_parser(
+        "bench",
+        help="plain generate() vs transformers' own speculation vs ours, side by side",
+        description="Benchmark plain generate(), transformers' own speculation (batch size 1) and ours "
+        "on your model: TTFT, TPOT, tokens/s, speedup, tau, acceptance, measured alpha and c, "
+        "token identity with plain greedy; optionally a sweep over k plotted against the closed form.",
+    )
+    bench.set_defaults(command=_bench)
+    bench.add_argument(
+        "--model", required=True, help="target: a folder, a Hub id, or 'smollm2' (SmolLM2-135M from PyPI)"
+    )
+    bench.add_argument("--method", required=True, choices=METHODS)
+    bench.add_argument("--draft", help="draft model (draft_model) or head (eagle, eagle3): folder or Hub id")
+    bench.add_argument("--early-exit-layer", type=int, help="layer_skip: draft with the first N layers")
+    bench.add_argument(
+        "--prompts",
+        required=True,
+        help="mt-bench, humaneval, or a jsonl file with a 'prompt' or 'messages' field",
+    )
+    bench.add_argument("--num-prompts", type=int, help="the first N prompts (default: all)")
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--k", type=_k, default=5, help="num_speculative_tokens of ours: an integer or 'auto'")
+    bench.add_argument("--max-speculative-tokens", type=int, help="with --k auto: the largest k (default 8)")
+    bench.add_argument("--max-new-tokens", type=int, default=256)
+    bench.add_argument("--prompt-lookup-min", type=int, help="ngram: shortest n-gram")
+    bench.add_argument("--prompt-lookup-max", type=int, help="ngram: longest n-gram")
+    bench.add_argument(
+        "--ks", type=_ks, help="k sweep for the PNG, e.g. 1,2,4,8 (default with --png: 1,2,4,8)"
+    )
+    bench.add_argument("--out", help="write the results as JSON here")
+    bench.add_argument("--png", help="write speedup vs k (measured and predicted) here")
+    bench.add_argument("--dtype", choices=DTYPES, default="auto")
+    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    bench.add_argument("--threads", type=int, help="torch CPU threads")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _k(value: str) -> int | str:
+    if value == AUTO:
+        return AUTO
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--k={value!r}: allowed: an integer from 1 to 32 or 'auto'"
+        ) from None
+
+
+def _ks(value: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(int(k) for k in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--ks={value!r}: allowed: integers separated by commas, e.g. 1,2,4,8"
+        ) from None
+    return ks
+
+
+def _bench(args: argparse.Namespace) -> int:
+    # imported here: `hf-specdec --help` should not wait for transformers' model code
+    from .bench import BenchSettings, format_table, load_prompts, run_benchmark, write_json, write_speedup_png
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    extra = {
+        key: value
+        for key, value in (
+            ("prompt_lookup_min", args.prompt_lookup_min),
+            ("prompt_lookup_max", args.prompt_lookup_max),
+            ("max_speculative_tokens", args.max_speculative_tokens),
+        )
+        if value is not None
+    }
+    settings = BenchSettings(
+        method=args.method,
+        k=args.k,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        sweep_ks=args.ks or ((1, 2, 4, 8) if args.png else ()),
+        draft=args.draft,
+        early_exit_layer=args.early_exit_layer,
+        extra_config=extra,
+    )
+    settings.speculative_config(settings.k)  # a bad setting fails now, not after loading the model
+    if args.batch_size < 1 or (args.num_prompts is not None and args.num_prompts < 1):
+        raise ValueError("--batch-size and --num-prompts: allowed: integers >= 1")
+    model, tokenizer = load_target(args.model, DTYPES[args.dtype], args.device)
+    prompts = load_prompts(args.prompts, tokenizer, limit=args.num_prompts)
+    results = run_benchmark(model, tokenizer, prompts, settings, progress=not args.no_progress)
+    print(format_table(results))
+    if args.out:
+        write_json(results, args.out)
+        print(f"wrote {args.out}")
+    if args.png:
+        write_speedup_png(results, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def load_target(name: str, dtype, device: str):
+    """(model with `hf_specdec.enable` applied, left-padding tokenizer with a pad token)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .integration import enable
+    from .real_models import load_smollm2
+
+    if name == "smollm2":
+        model, tokenizer = load_smollm2(torch.float32 if dtype == "auto" else dtype, device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    return enable(model), tokenizer
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""`hf-specdec bench` end to end on a tiny random Llama saved with a word-level chat tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import build_tiny_llama
+
+from hf_specdec import cli
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# user turns as their words, then "w3" opens the answer: every piece is in the word vocabulary
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+PROMPTS = [
+    {"prompt": "w5 w6 w7 w8 w5 w6 w7 w8 w5 w6"},
+    {"messages": [{"role": "user", "content": "w20 w21 w22 w20 w21 w22 w20"}]},
+    {"prompt": "w40 w41 w42 w43 w44 w40 w41 w42 w43"},
+]
+SPEC_KEYS = {"tau", "alpha", "acceptance_per_position", "c", "mean_k_chosen", "k_chosen_counts"}
+ARM_KEYS = {"k", "ttft_s", "tpot_s", "tokens_per_s", "ratio_vs_plain", "identical_fraction", "divergences"}
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, request):
+    folder = tmp_path_factory.mktemp("tiny_chat_llama")
+    build_tiny_llama().save_pretrained(folder)
+    tokenizer = request.getfixturevalue("word_tokenizer")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    tokenizer.chat_template = None  # the session fixture is shared
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(record) for record in PROMPTS) + "\n")
+    return path
+
+
+def bench_args(model_folder, prompts_file, *extra: str) -> list[str]:
+    return [
+        "bench", "--model", str(model_folder), "--prompts", str(prompts_file), "--max-new-tokens", "12",
+        "--device", "cpu", "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def test_bench_ngram_auto_with_sweep_png_and_json(model_folder, prompts_file, tmp_path, capsys):
+    out, png = tmp_path / "results.json", tmp_path / "speedup.png"
+    status = cli.main(
+        bench_args(model_folder, prompts_file, "--method", "ngram", "--k", "auto", "--batch-size", "1",
+                   "--ks", "1,3", "--out", str(out), "--png", str(png))
+    )  # fmt: skip
+    assert status == 0
+    results = json.loads(out.read_text())
+    assert results["num_prompts"] == 3
+    assert results["settings"]["k"] == "auto" and results["settings"]["sweep_ks"] == [1, 3]
+    arms = results["arms"]
+    assert list(arms) == ["plain", "transformers", "ours", "ours_k1", "ours_k3"]
+    for name, arm in arms.items():
+        assert ARM_KEYS <= set(arm), name
+        assert arm["tokens_per_s"] > 0 and arm["ttft_s"] > 0 and arm["tpot_s"] > 0
+    assert arms["plain"]["ratio_vs_plain"] == 1.0
+    for name in ("ours", "ours_k1", "ours_k3"):  # greedy: exactly plain's tokens
+        assert SPEC_KEYS <= set(arms[name]), name
+        assert arms[name]["identical_fraction"] == 1.0 and arms[name]["divergences"] == []
+        assert 0.0 <= arms[name]["alpha"] <= 1.0
+    assert arms["ours_k3"]["k"] == 3 and len(arms["ours_k3"]["k_chosen_counts"]) == 4
+    assert sum(arms["ours"]["k_chosen_counts"]) > 0
+    sweep = results["sweep"]
+    assert sweep["k"] == [1, 3] and len(sweep["measured_speedup"]) == len(sweep["predicted_speedup"]) == 2
+    assert 0.0 <= sweep["alpha"] <= 1.0 and sweep["c"] >= 0.0
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    table = capsys.readouterr().out
+    assert "TTFT ms" in table and "ours_k3" in table and "accepted per position" in table
+
+
+def test_bench_batched_layer_skip_has_no_transformers_arm(model_folder, prompts_file, tmp_path):
+    out = tmp_path / "results.json"
+    status = cli.main(
+        bench_args(model_folder, prompts_file, "--method", "layer_skip", "--early-exit-layer", "1",
+                   "--k", "2", "--batch-size", "2", "--num-prompts", "3", "--out", str(out))
+    )  # fmt: skip
+    assert status == 0
+    results = json.loads(out.read_text())
+    assert list(results["arms"]) == [
+        "plain",
+        "ours",
+    ]  # transformers' assisted generation is batch size 1 only
+    assert "sweep" not in results
+    assert results["arms"]["ours"]["identical_fraction"] == 1.0
+    assert results["arms"]["ours"]["k_chosen_counts"][2] > 0
+
+
+@pytest.mark.parametrize(
+    "extra,fragment",
+    [
+        (["--method", "ngram", "--k", "x"], "--k"),
+        (["--method", "ngram", "--k", "0"], "num_speculative_tokens"),
+        (["--method", "ngram", "--k", "3", "--max-speculative-tokens", "4"], "max_speculative_tokens"),
+        (["--method", "layer_skip", "--k", "3"], "early_exit_layer"),
+        (["--method", "ngram", "--ks", "1,two"], "--ks"),
+    ],
+)
+def test_bench_bad_arguments_exit_with_a_message(model_folder, prompts_file, capsys, extra, fragment):
+    with pytest.raises(SystemExit) as info:
+        cli.main(bench_args(model_folder, prompts_file, *extra))
+    assert info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_bench_bad_prompts_file(model_folder, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "w5 w6"}\n')
+    with pytest.raises(SystemExit):
+        cli.main(bench_args(model_folder, bad, "--method", "ngram"))
+    assert '"prompt" or a "messages" field' in capsys.readouterr().err
+
+
+def test_console_script_wiring(model_folder, prompts_file, tmp_path):
+    """pyproject's console script names `hf_specdec.cli:main`, and the module runs as a program."""
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    scripts = pyproject.split("[project.scripts]")[1].split("\n[")[0]
+    assert 'hf-specdec = "hf_specdec.cli:main"' in scripts
+    out = tmp_path / "results.json"
+    # layer_skip: a fresh process would spend seconds compiling the n-gram drafter's numba kernel
+    args = bench_args(
+        model_folder,
+        prompts_file,
+        "--method",
+        "layer_skip",
+        "--early-exit-layer",
+        "1",
+        "--k",
+        "2",
+        "--num-prompts",
+        "1",
+    )
+    process = subprocess.run(
+        [sys.executable, "-m", "hf_specdec.cli", *args, "--threads", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert process.returncode == 0, process.stderr
+    assert json.loads(out.read_text())["arms"]["ours"]["identical_fraction"] == 1.0
+    assert "x plain" in process.stdout
