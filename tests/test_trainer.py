@@ -216,3 +216,30 @@ def test_two_processes_train_the_same_head(target_folder, data_file, tmp_path):
     two_log = [json.loads(x) for x in (tmp_path / "two" / trainer.TRAIN_LOG).read_text().splitlines()]
     for a, b in zip([r["loss"] for r in one_log if "loss" in r], [r["loss"] for r in two_log if "loss" in r]):
         assert abs(a - b) < 1e-4 * max(1.0, abs(a))
+
+
+def test_regenerated_answers_are_the_targets_greedy_output(target_folder, data_file, tmp_path):
+    from transformers import AutoTokenizer
+
+    from hf_specdec.trainers import regenerate
+
+    output = regenerate.main([
+        "--target", str(target_folder), "--data", str(data_file), "--output", str(tmp_path / "regen.jsonl"),
+        "--max-records", "5", "--max-new-tokens", "6", "--batch-size", "2", "--num-threads", "1",
+    ])
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(records) == 5
+    model = build_tiny_llama(initializer_range=0.5)
+    tokenizer = AutoTokenizer.from_pretrained(target_folder, padding_side="left")
+    for record in records:
+        user, assistant = record["messages"]
+        assert user["role"] == "user" and assistant["role"] == "assistant"
+        prompt = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+        inputs = tokenizer([prompt], return_tensors="pt", add_special_tokens=False)
+        greedy = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        expected = tokenizer.decode(greedy[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
+        assert assistant["content"] == expected
+    # the trainer reads what regenerate writes
+    log = _train(target_folder, output, tmp_path / "head", "--method", "eagle3", "--draft-vocab-size", "96",
+                 "--ttt-steps", "2", "--max-steps", "1", "--batch-size", "4", "--eval-fraction", "0.2")
+    assert [r["step"] for r in log if "loss" in r] == [1]

@@ -1,0 +1,91 @@
+"""Regenerate the assistant turns of a conversation dataset with the target itself.
+
+    python -m hf_specdec.trainers.regenerate --target <folder|Hub id> --data <file|Hub id> \\
+        --output regenerated.jsonl [--max-records N] [--max-new-tokens 256] [--batch-size 32]
+
+A head drafts the *target's* continuations. Trained on someone else's text (ShareGPT answers
+come from ChatGPT) it sees features of text the target would not write, and learns from positions
+the target never reaches at inference. EAGLE-3 and SpecForge therefore regenerate the answers with
+the target: the first user turn (after any system turn) of each record is kept, the target
+answers it, greedy by default (what a greedy user runs) or sampled with --temperature. Output:
+jsonl records `{"messages": [..., {"role": "assistant", "content": <target's answer>}]}` that
+the trainer reads directly. Rows are batched by prompt length with left padding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from .data import check_chat_template, load_records, to_messages
+
+
+def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
+    """System turn(s) and the first user turn, or None when the record has no user turn."""
+    prompt = []
+    for message in messages:
+        prompt.append(message)
+        if message["role"] == "user":
+            return prompt if message["content"].strip() else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(prog="python -m hf_specdec.trainers.regenerate", description=__doc__.split("\n")[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--data-split", default="train")
+    parser.add_argument("--output", required=True, help="jsonl file to write")
+    parser.add_argument("--max-records", type=int, default=None)
+    parser.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(args.target, trust_remote_code=args.trust_remote_code).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code, padding_side="left")
+    check_chat_template(tokenizer)
+    records = load_records(args.data, args.data_split)
+    if args.max_records is not None:
+        records = records.select(range(min(args.max_records, len(records))))
+    prompts = []
+    for record in records:
+        prompt = first_turn_prompt(to_messages(record))
+        if prompt is None:
+            continue
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        if len(tokenizer(text, add_special_tokens=False).input_ids) <= args.max_prompt_tokens:
+            prompts.append((prompt, text))
+    prompts.sort(key=lambda p: len(p[1]))  # similar lengths per batch: little padding
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
+    with open(output, "w") as out, torch.no_grad():
+        for begin in tqdm(range(0, len(prompts), args.batch_size), desc="regenerating"):
+            batch = prompts[begin : begin + args.batch_size]
+            inputs = tokenizer([text for _, text in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+            sequences = model.generate(
+                **inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
+            )
+            answers = tokenizer.batch_decode(sequences[:, inputs.input_ids.shape[1] :], skip_special_tokens=True)
+            for (prompt, _), answer in zip(batch, answers):
+                if answer.strip():
+                    out.write(json.dumps({"messages": [*prompt, {"role": "assistant", "content": answer}]}) + "\n")
+            out.flush()
+    return output
+
+
+if __name__ == "__main__":
+    main()
