@@ -219,9 +219,8 @@ def test_two_processes_train_the_same_head(target_folder, data_file, tmp_path):
 
 
 def test_regenerated_answers_are_the_targets_greedy_output(target_folder, data_file, tmp_path):
-    from transformers import AutoTokenizer
-
     from hf_specdec.trainers import regenerate
+    from transformers import AutoTokenizer
 
     output = regenerate.main([
         "--target", str(target_folder), "--data", str(data_file), "--output", str(tmp_path / "regen.jsonl"),
