@@ -22,7 +22,13 @@ import pytest
 import torch
 import triton  # noqa: F401  (a missing triton must fail these tests, not skip them)
 from conftest import ngram_config, plain_generate, repeated_span_batch
-from test_sampling_distribution import SETTINGS, chi_square_pvalue, exact_distribution, speculative_samples
+from test_sampling_distribution import (
+    NGRAM_CONFIG,
+    SETTINGS,
+    chi_square_pvalue,
+    exact_distribution,
+    speculative_samples,
+)
 from test_sampling_distribution import model as sampling_model  # noqa: F401  (module-scoped fixture)
 
 from hf_specdec.metadata import SpecDecodeMetadata
@@ -401,11 +407,11 @@ def test_sampling_distribution_with_kernels(sampling_model, triton_backend, monk
     """test_sampling_distribution's chi-square test with the kernels on; and the reference's very samples."""
     sampling = SETTINGS["temperature_topk_topp"]
     exact = exact_distribution(sampling_model, sampling)
-    samples = speculative_samples(sampling_model, sampling, num_samples=4000, seed=1234)
+    samples, _ = speculative_samples(sampling_model, sampling, NGRAM_CONFIG, num_samples=4000, seed=1234)
     assert triton_backend, "the kernels never ran"
     assert chi_square_pvalue(samples, exact) > 1e-3
     monkeypatch.setenv(BACKEND_ENV_VAR, "torch")
     calls = len(triton_backend)
-    reference = speculative_samples(sampling_model, sampling, num_samples=1000, seed=1234)
+    reference, _ = speculative_samples(sampling_model, sampling, NGRAM_CONFIG, num_samples=1000, seed=1234)
     assert len(triton_backend) == calls
     assert np.array_equal(samples[:1000], reference)
