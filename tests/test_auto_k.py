@@ -330,3 +330,25 @@ def test_auto_through_custom_generate(tiny_llama):
         speculative_config='{"method": "ngram", "num_speculative_tokens": "auto"}',
     )
     assert torch.equal(out, plain)
+
+
+def test_auto_sampling_matches_exact_distribution(monkeypatch):
+    """Sampling with a k that changes from step to step still follows the target's distribution."""
+    from conftest import build_small_vocab_llama
+    from test_sampling_distribution import (
+        NGRAM_CONFIG,
+        SETTINGS,
+        chi_square_pvalue,
+        exact_distribution,
+        speculative_samples,
+    )
+
+    chosen: list[int] = []
+    next_k = AutoKController.next_k
+    monkeypatch.setattr(AutoKController, "next_k", lambda self, rows: chosen.append(next_k(self, rows)) or chosen[-1])
+    model = hf_specdec.enable(build_small_vocab_llama())
+    sampling = SETTINGS["temperature_topk_topp"]
+    config = {**NGRAM_CONFIG, "num_speculative_tokens": "auto", "max_speculative_tokens": 4}
+    samples, _ = speculative_samples(model, sampling, config, num_samples=4000, seed=1234)
+    assert len(set(chosen)) > 1, chosen  # k really varied (a probe step at least)
+    assert chi_square_pvalue(samples, exact_distribution(model, sampling)) > 1e-3
