@@ -158,7 +158,7 @@ def test_offline_hidden_states_cache(target_folder, data_file, tmp_path):
         _train(target_folder, data_file, tmp_path / "c", *common, "--max-records", "40")
 
 
-def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer):
+def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer, capsys):
     rng = random.Random(1)
     messages = tmp_path / "messages.jsonl"
     messages.write_text("\n".join(json.dumps(_conversation(rng, sharegpt=False)) for _ in range(16)))
@@ -189,8 +189,19 @@ def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer):
     with pytest.raises(ValueError, match="does not expose decoder layers"):
         _train(gpt2, messages, tmp_path / "bad3")
 
-    with pytest.raises(SystemExit):
-        trainer.parse_args(["--target", "x", "--data", "y", "--output", "z", "--method", "medusa"])
+    base = ["--target", "x", "--data", "y", "--output", "z"]
+    for bad, field in ((["--method", "medusa"], "--method"), (["--ttt-steps", "0"], "--ttt-steps"),
+                       (["--lr", "0"], "--lr"), (["--max-steps", "0"], "--max-steps"),
+                       (["--save-every", "-1"], "--save-every"), (["--step-weight", "-0.5"], "--step-weight")):
+        with pytest.raises(SystemExit):
+            trainer.parse_args(base + bad)
+        assert field in capsys.readouterr().err
+    from hf_specdec.trainers import regenerate
+
+    for bad, field in ((["--batch-size", "0"], "--batch-size"), (["--temperature", "-1"], "--temperature")):
+        with pytest.raises(SystemExit):
+            regenerate.main(["--target", "x", "--data", "y", "--output", "z", *bad])
+        assert field in capsys.readouterr().err
 
 
 def test_two_processes_train_the_same_head(target_folder, data_file, tmp_path):

@@ -88,9 +88,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.ttt_steps is None:
         args.ttt_steps = 7 if args.method == "eagle3" else 1
-    for name in ("num_layers", "ttt_steps", "max_length", "batch_size", "num_epochs"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; allowed: an integer >= 1")
+    minimums = {"num_layers": 1, "ttt_steps": 1, "max_length": 2, "batch_size": 1, "num_epochs": 1, "max_steps": 1,
+                "max_records": 1, "max_eval_records": 1, "warmup_steps": 0, "eval_every": 0, "save_every": 0,
+                "keep_checkpoints": 0, "seed": 0, "num_threads": 1}
+    for name, minimum in minimums.items():
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            parser.error(f"--{name.replace('_', '-')}={value} is invalid; allowed: an integer >= {minimum}")
+    for name in ("lr", "step_weight", "max_grad_norm"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; allowed: a number > 0")
+    if args.weight_decay < 0:
+        parser.error(f"--weight-decay={args.weight_decay} is invalid; allowed: a number >= 0")
     args.command = " ".join(["python -m hf_specdec.trainers.eagle", *(argv if argv is not None else sys.argv[1:])])
     return args
 

@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    for name in ("max_records", "max_prompt_tokens", "max_new_tokens", "batch_size", "num_threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')}={value} is invalid; allowed: an integer >= 1")
+    if args.temperature < 0:
+        parser.error(f"--temperature={args.temperature} is invalid; allowed: 0 (greedy) or a number > 0")
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
