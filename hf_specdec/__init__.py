@@ -8,6 +8,7 @@ or, without patching: `model.generate(**inputs, custom_generate=hf_specdec.gener
 """
 
 from .config import SpeculativeConfig
+from .cpu_linear import onednn_linears
 from .decoding import SpeculativeGenerateOutput, generate
 from .eagle_heads import EagleHead, load_eagle_head
 from .integration import disable, enable
@@ -25,5 +26,6 @@ __all__ = [
     "enable",
     "generate",
     "load_eagle_head",
+    "onednn_linears",
 ]
 __version__ = "0.1.0"

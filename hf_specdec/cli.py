@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from .config import AUTO, METHODS
+from .config import AUTO, CPU_LINEAR_BACKENDS, METHODS
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,6 +60,16 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--ks", type=_ks, help="k sweep for the PNG, e.g. 1,2,4,8 (default with --png: 1,2,4,8)"
     )
+    bench.add_argument(
+        "--cpu-linear-backend",
+        choices=CPU_LINEAR_BACKENDS,
+        help="speculative_config.cpu_linear_backend of ours (default auto: oneDNN on CPU fp32)",
+    )
+    bench.add_argument(
+        "--plain-onednn",
+        action="store_true",
+        help="also time plain generate() with the oneDNN CPU linears ours uses (speculation's own share)",
+    )
     bench.add_argument("--out", help="write the results as JSON here")
     bench.add_argument("--png", help="write speedup vs k (measured and predicted) here")
     bench.add_argument("--dtype", choices=DTYPES, default="auto")
@@ -102,6 +112,7 @@ def _bench(args: argparse.Namespace) -> int:
             ("prompt_lookup_min", args.prompt_lookup_min),
             ("prompt_lookup_max", args.prompt_lookup_max),
             ("max_speculative_tokens", args.max_speculative_tokens),
+            ("cpu_linear_backend", args.cpu_linear_backend),
         )
         if value is not None
     }
@@ -114,6 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
         draft=args.draft,
         early_exit_layer=args.early_exit_layer,
         extra_config=extra,
+        plain_onednn=args.plain_onednn,
     )
     settings.speculative_config(settings.k)  # a bad setting fails now, not after loading the model
     if args.batch_size < 1 or (args.num_prompts is not None and args.num_prompts < 1):

@@ -2,8 +2,8 @@
 
 Keys follow vLLM's `--speculative-config` (method, model, num_speculative_tokens,
 prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) plus a few of our own
-(seed, block_size, num_kv_blocks, early_exit_layer, max_speculative_tokens). Every invalid value raises `ValueError` naming the field
-and what is allowed.
+(seed, block_size, num_kv_blocks, early_exit_layer, max_speculative_tokens, cpu_linear_backend).
+Every invalid value raises `ValueError` naming the field and what is allowed.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ METHODS_NEEDING_MODEL = ("eagle", "eagle3", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 AUTO = "auto"
 DEFAULT_MAX_AUTO_TOKENS = 8
+CPU_LINEAR_BACKENDS = ("auto", "onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class SpeculativeConfig:
         early_exit_layer: N for method="layer_skip" (required there, nowhere else): draft with the
             target's first N layers; 1..num_hidden_layers-1, the upper bound checked against the model.
         max_speculative_tokens: the largest k "auto" may pick (1..32, default 8); only with "auto".
+        cpu_linear_backend: how the target's and drafter's fp32 CPU linears run while speculating:
+            "auto" (default: oneDNN where torch has it), "onednn" (an error where it does not) or
+            "torch" (torch's default BLAS). No effect on GPU or other dtypes; see `cpu_linear.py`.
     """
 
     method: str = "ngram"
@@ -54,6 +58,7 @@ class SpeculativeConfig:
     num_kv_blocks: int | None = None
     early_exit_layer: int | None = None
     max_speculative_tokens: int | None = None
+    cpu_linear_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -90,6 +95,11 @@ class SpeculativeConfig:
         _check_optional_int("block_size", self.block_size, minimum=1)
         _check_optional_int("num_kv_blocks", self.num_kv_blocks, minimum=1)
         self._check_layer_skip()
+        if self.cpu_linear_backend not in CPU_LINEAR_BACKENDS:
+            raise ValueError(
+                f"speculative_config.cpu_linear_backend={self.cpu_linear_backend!r} is unknown; "
+                f"allowed: {', '.join(CPU_LINEAR_BACKENDS)}"
+            )
 
     def _check_num_speculative_tokens(self) -> None:
         k, k_max = self.num_speculative_tokens, self.max_speculative_tokens

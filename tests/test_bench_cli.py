@@ -83,16 +83,16 @@ def test_bench_batched_layer_skip_has_no_transformers_arm(model_folder, prompts_
     out = tmp_path / "results.json"
     status = cli.main(
         bench_args(model_folder, prompts_file, "--method", "layer_skip", "--early-exit-layer", "1",
-                   "--k", "2", "--batch-size", "2", "--num-prompts", "3", "--out", str(out))
+                   "--k", "2", "--batch-size", "2", "--num-prompts", "3", "--out", str(out), "--plain-onednn")
     )  # fmt: skip
     assert status == 0
     results = json.loads(out.read_text())
-    assert list(results["arms"]) == [
-        "plain",
-        "ours",
-    ]  # transformers' assisted generation is batch size 1 only
+    # transformers' assisted generation is batch size 1 only
+    assert list(results["arms"]) == ["plain", "plain_onednn", "ours"]
     assert "sweep" not in results
-    assert results["arms"]["ours"]["identical_fraction"] == 1.0
+    for name in ("plain_onednn", "ours"):
+        assert results["arms"][name]["identical_fraction"] == 1.0
+        assert results["arms"][name]["ratio_vs_plain_onednn"] > 0
     assert results["arms"]["ours"]["k_chosen_counts"][2] > 0
 
 

@@ -1,6 +1,9 @@
 """The arms of a benchmark: what each passes to `model.generate()`.
 
 - "plain": transformers' greedy `generate()`;
+- "plain_onednn" (`plain_onednn=True`): the same inside `onednn_linears(model)`, the fp32 CPU GEMM
+  our loop uses (`cpu_linear.py`): ours against it is the part of the speedup that speculation
+  alone brings;
 - "transformers": transformers' own speculation for the method, where it has one (batch size 1
   only: its assisted generation refuses larger batches): prompt lookup for ngram, an assistant
   model for draft_model, `assistant_early_exit` for layer_skip, `use_mtp` for mtp;
@@ -32,6 +35,7 @@ class BenchSettings:
         draft: `speculative_config.model` (draft model / EAGLE head: folder, Hub id or loaded).
         early_exit_layer: layer_skip's N.
         extra_config: more speculative_config keys, for every arm of ours (prompt_lookup_min, ...).
+        plain_onednn: add the "plain_onednn" arm.
     """
 
     method: str = "ngram"
@@ -42,6 +46,7 @@ class BenchSettings:
     draft: Any = None
     early_exit_layer: int | None = None
     extra_config: dict = field(default_factory=dict)
+    plain_onednn: bool = False
 
     def speculative_config(self, k: int | str) -> SpeculativeConfig:
         """Our config at `k` (validated: a bad setting fails before any run)."""
@@ -60,17 +65,21 @@ class BenchSettings:
 
 @dataclass
 class Arm:
-    """One way of generating: a name, the generate() keyword arguments, and our k (None: not ours)."""
+    """One way of generating: a name, the generate() keyword arguments, our k (None: not ours), and
+    whether generate() runs inside `onednn_linears(model)`."""
 
     name: str
     generate_kwargs: dict
     k: int | str | None = None
+    onednn_linears: bool = False
 
 
 def build_arms(settings: BenchSettings, model: PreTrainedModel) -> list[Arm]:
-    """plain, transformers' own (batch size 1, where it exists), ours, then the sweep's other ks."""
+    """plain, plain_onednn (if asked), transformers' own (batch size 1, where it exists), ours, then the sweep's other ks."""
     ours = settings.speculative_config(settings.k)
     arms = [Arm("plain", {})]
+    if settings.plain_onednn:
+        arms.append(Arm("plain_onednn", {}, onednn_linears=True))
     own = transformers_option(ours, model) if settings.batch_size == 1 else None
     if own is not None:
         arms.append(Arm("transformers", own))

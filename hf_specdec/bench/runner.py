@@ -10,7 +10,7 @@ differ, see the README's exactness section).
 
 Per arm: median TTFT, median TPOT ((total - TTFT) / (new tokens of the longest row - 1)),
 median tokens/s (every row's new tokens up to EOS), the median over batches of the tokens/s
-ratio to plain, the share of rows token-identical to plain; for ours also tau, alpha (the
+ratio to plain (and to plain_onednn when that arm runs), the share of rows token-identical to plain; for ours also tau, alpha (the
 conditional acceptance, `SpecDecodeMetrics.conditional_acceptance_rate`), acceptance per
 position, the k chosen and the measured c:
 
@@ -23,6 +23,7 @@ our batch as they finish, plain's stay to the end: at batch > 1, c is an average
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..auto_k import predicted_speedup
+from ..cpu_linear import onednn_linears
 from ..metrics import SpecDecodeMetrics
 from .arms import Arm, BenchSettings, build_arms, sweep_arm_names
 
@@ -75,7 +77,7 @@ def run_benchmark(
     # draft model's loading, allocator warm-up) must not land in the first batch's timings
     warmup = tokenizer(batches[0], return_tensors="pt", padding=True).to(model.device)
     for arm in arms:
-        model.generate(**warmup, **_generate_kwargs(arm, tokenizer), max_new_tokens=2)
+        _generate(model, arm, {**warmup, **_generate_kwargs(arm, tokenizer)}, max_new_tokens=2)
     bar = tqdm(
         batches, desc=f"bench {settings.method} bs={settings.batch_size}", unit="batch", disable=not progress
     )
@@ -105,10 +107,10 @@ def _run_arm(model, inputs, arm: Arm, max_new_tokens: int, tokenizer, runs: ArmR
     """The TTFT call then the full call; records their times; returns the full call's sequences."""
     common = {**inputs, **_generate_kwargs(arm, tokenizer)}
     start = _now(model)
-    model.generate(**common, max_new_tokens=1)
+    _generate(model, arm, common, max_new_tokens=1)
     runs.ttft_s.append(_now(model) - start)
     start = _now(model)
-    out = model.generate(**common, max_new_tokens=max_new_tokens)
+    out = _generate(model, arm, common, max_new_tokens=max_new_tokens)
     runs.seconds.append(_now(model) - start)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     spec_metrics = getattr(out, "spec_metrics", None)
@@ -118,6 +120,11 @@ def _run_arm(model, inputs, arm: Arm, max_new_tokens: int, tokenizer, runs: ArmR
     else:  # transformers' plain generate: one forward per generated column
         runs.forwards.append(sequences.shape[1] - inputs["input_ids"].shape[1])
     return sequences
+
+
+def _generate(model, arm: Arm, kwargs: dict, max_new_tokens: int):
+    with onednn_linears(model) if arm.onednn_linears else contextlib.nullcontext():
+        return model.generate(**kwargs, max_new_tokens=max_new_tokens)
 
 
 def _generate_kwargs(arm: Arm, tokenizer) -> dict:
@@ -181,6 +188,7 @@ def summarize(runs: dict[str, ArmRuns], settings: BenchSettings, num_prompts: in
     """Per-arm statistics, and the sweep against the closed form."""
     plain = runs["plain"]
     plain_rates, plain_step = plain.tokens_per_s(), plain.decode_step_s()
+    onednn_rates = runs["plain_onednn"].tokens_per_s() if "plain_onednn" in runs else None
     arms = {}
     for name, arm_runs in runs.items():
         rates = arm_runs.tokens_per_s()
@@ -198,6 +206,8 @@ def summarize(runs: dict[str, ArmRuns], settings: BenchSettings, num_prompts: in
             "identical_fraction": arm_runs.identical / arm_runs.rows if arm_runs.rows else 1.0,
             "divergences": arm_runs.divergences,
         }
+        if onednn_rates is not None:
+            summary["ratio_vs_plain_onednn"] = statistics.median(r / p for r, p in zip(rates, onednn_rates))
         if arm_runs.arm.k is not None:
             summary.update(_speculation_summary(arm_runs, plain_step))
         arms[name] = summary
