@@ -4,9 +4,10 @@
     python benchmarks/bench_generate.py --sets humaneval:8 --batch-sizes 1
     python benchmarks/bench_generate.py --memory              # KV blocks vs tokens held, peak RSS
 
-The speed runs are `hf-specdec bench --method ngram` (`hf_specdec/bench/`) over several prompt
-sets and batch sizes: arms interleaved per batch in alternating order; median tokens/s, ratio to
-plain, TTFT / TPOT, tau, acceptance per position, token identity with plain greedy (each
+The speed runs are `hf-specdec bench --method ngram --plain-onednn` (`hf_specdec/bench/`) over
+several prompt sets and batch sizes: arms interleaved per batch in alternating order; median
+tokens/s, ratio to plain and to plain with the oneDNN CPU linears ours uses (speculation's own
+share of the gain, see `hf_specdec/cpu_linear.py`), TTFT / TPOT, tau, acceptance per position, token identity with plain greedy (each
 divergence with its top-2 logit gap). `--memory` measures the KV cache and peak RSS on a
 mixed-length batch, one fresh process per arm.
 """
@@ -18,6 +19,7 @@ import json
 import resource
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -31,7 +33,8 @@ def run_set(model, tokenizer, name: str, limit: int, batch_size: int, args) -> d
     if args.no_match:  # the drafter never proposes: our loop's overhead against plain decoding
         extra["disable_by_batch_size"] = 1
     settings = BenchSettings(
-        method="ngram", k=args.k, batch_size=batch_size, max_new_tokens=args.max_new_tokens, extra_config=extra
+        method="ngram", k=args.k, batch_size=batch_size, max_new_tokens=args.max_new_tokens, extra_config=extra,
+        plain_onednn=not args.no_plain_onednn,
     )
     results = run_benchmark(model, tokenizer, load_prompts(name, tokenizer, limit=limit), settings)
     print(format_table(results), flush=True)
@@ -92,6 +95,7 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-match", action="store_true", help="ngram arm drafts nothing (measures overhead)")
+    parser.add_argument("--no-plain-onednn", action="store_true", help="skip the plain + oneDNN linears arm")
     parser.add_argument("--memory", action="store_true", help="KV usage and peak RSS on a mixed-length batch")
     parser.add_argument("--memory-child", choices=["plain", "ngram"], help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/bench_generate.json")
@@ -110,8 +114,6 @@ def main() -> None:
             name, count = spec.split(":")
             for batch_size in args.batch_sizes:
                 results["runs"].append(run_set(model, tokenizer, name, int(count), batch_size, args))
-    from pathlib import Path
-
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")
