@@ -50,8 +50,11 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_backend(backend: str, modules: Iterable[torch.nn.Module]) -> str:
-    """"onednn" or "torch" for `backend` ("auto": oneDNN when available and some fp32 CPU linear
-    exists). "onednn" where this torch has no oneDNN raises, naming the allowed values."""
+    """The backend the loop runs, "onednn" or "torch", for the configured `backend`.
+
+    "auto" is oneDNN when this torch has it and `modules` hold some fp32 CPU linear; "onednn"
+    where torch has no oneDNN raises, naming the allowed values.
+    """
     if backend not in CPU_LINEAR_BACKENDS:
         raise ValueError(f"cpu_linear_backend={backend!r} is unknown; allowed: {', '.join(CPU_LINEAR_BACKENDS)}")
     if backend == "torch":
@@ -63,7 +66,7 @@ def resolve_backend(backend: str, modules: Iterable[torch.nn.Module]) -> str:
                 "allowed here: 'auto' or 'torch'"
             )
         return "torch"
-    return "onednn" if any(True for _ in _fp32_cpu_linears(modules)) else "torch"
+    return "onednn" if next(_fp32_cpu_linears(modules), None) is not None else "torch"
 
 
 def _fp32_cpu_linears(modules: Iterable[torch.nn.Module]) -> Iterator[torch.nn.Linear]:
@@ -73,6 +76,7 @@ def _fp32_cpu_linears(modules: Iterable[torch.nn.Module]) -> Iterator[torch.nn.L
             weight = getattr(module, "weight", None)
             if (
                 isinstance(module, torch.nn.Linear)
+                and type(module).forward is torch.nn.Linear.forward  # a subclass may compute more
                 and id(module) not in seen
                 and weight.dtype == torch.float32
                 and weight.device.type == "cpu"

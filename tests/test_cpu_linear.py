@@ -41,11 +41,19 @@ def test_gradients_fall_back_to_torch(tiny_llama):
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
-def test_other_dtypes_are_left_alone():
+def test_other_dtypes_and_linear_subclasses_are_left_alone():
     model = build_tiny_llama().to(torch.bfloat16)
     with onednn_linears(model):
         assert _patched(model) == []
     assert resolve_backend("auto", [model]) == "torch"
+
+    class ScaledLinear(torch.nn.Linear):  # its own forward: replacing it would change its output
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    scaled = ScaledLinear(4, 4)
+    with onednn_linears(scaled):
+        assert "forward" not in scaled.__dict__
 
 
 @pytest.mark.parametrize("backend", ["auto", "onednn", "torch"])
