@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import EOS_TOKEN_ID, build_tiny_llama, left_padded_batch, plain_generate
 from hf_specdec.trainers import eagle as trainer
-from hf_specdec.trainers.data import to_messages, tokenize_conversation
+from hf_specdec.trainers.data import load_records, to_messages, tokenize_conversation, tokenize_records
 from safetensors.torch import load_file
 
 import hf_specdec
@@ -89,6 +89,16 @@ def test_assistant_mask_covers_exactly_the_answers(word_tokenizer):
     assert trained == ["w12", "w13", "w14", "</s>", "w16", "</s>"]
     assert ids[0] == word_tokenizer.bos_token_id and ids[-1] == EOS_TOKEN_ID
 
+    # an answer cut off by a token limit (regenerated data): no end-of-turn marker is taught
+    word_tokenizer.chat_template = CHAT_TEMPLATE
+    try:
+        ids, mask = tokenize_conversation(word_tokenizer, messages, max_length=100, open_ending=True)
+    finally:
+        word_tokenizer.chat_template = None
+    trained = [word_tokenizer.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m]
+    assert trained == ["w12", "w13", "w14", "</s>", "w16"]
+    assert word_tokenizer.convert_ids_to_tokens(ids[-1]) == "w16"
+
 
 @pytest.mark.parametrize("method", ["eagle3", "eagle"])
 def test_training_lowers_loss_and_the_head_loads(target_folder, data_file, tmp_path, method):
@@ -140,6 +150,28 @@ def test_resume_continues_exactly(target_folder, data_file, tmp_path):
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_init_from_continues_a_trained_head(target_folder, data_file, tmp_path):
+    common = ["--method", "eagle3", "--ttt-steps", "2"]
+    first = tmp_path / "first"
+    first_log = _train(target_folder, data_file, first, *common, "--draft-vocab-size", "96", "--num-epochs", "4")
+    trained = load_file(str(first / "model.safetensors"))
+    # a near-zero learning rate: what comes out is what went in, so the run really started from it
+    # (architecture and draft vocabulary included; a bf16 round trip hides a 1e-12 update)
+    still = tmp_path / "still"
+    still_log = _train(target_folder, data_file, still, *common, "--init-from", str(first), "--lr", "1e-12",
+                       "--max-steps", "1")
+    assert json.loads((still / "trainer_state.json").read_text())["init_from"] == str(first)
+    kept = load_file(str(still / "model.safetensors"))
+    assert sorted(kept) == sorted(trained)
+    assert all(torch.equal(kept[name], trained[name]) for name in trained)
+    # its first loss is the trained head's, well below a random head's first loss
+    assert still_log[0]["loss"] < 0.8 * first_log[0]["loss"]
+    with pytest.raises(ValueError, match="--draft-vocab-size=64 does not match --init-from .* which has 96"):
+        _train(target_folder, data_file, tmp_path / "bad", *common, "--init-from", str(first), "--draft-vocab-size", "64")
+    with pytest.raises(ValueError, match="method"):
+        _train(target_folder, data_file, tmp_path / "bad", "--method", "eagle", "--init-from", str(first))
+
+
 def test_offline_hidden_states_cache(target_folder, data_file, tmp_path):
     cache = tmp_path / "cache"
     common = ["--method", "eagle3", "--draft-vocab-size", "96", "--ttt-steps", "2", "--num-epochs", "4",
@@ -164,6 +196,11 @@ def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer, 
     messages.write_text("\n".join(json.dumps(_conversation(rng, sharegpt=False)) for _ in range(16)))
     log = _train(target_folder, messages, tmp_path / "ok", "--method", "eagle", "--max-steps", "2")
     assert [r["step"] for r in log if "loss" in r] == [1, 2]
+
+    # an empty conversation (real ShareGPT dumps hold some) teaches nothing: dropped, not an error
+    with_empty = tmp_path / "with_empty.jsonl"
+    with_empty.write_text(messages.read_text() + "\n" + json.dumps({"messages": []}) + "\n")
+    assert [r["step"] for r in _train(target_folder, with_empty, tmp_path / "ok2", "--max-steps", "1") if "loss" in r] == [1]
 
     no_turns = tmp_path / "no_turns.jsonl"
     no_turns.write_text(json.dumps({"text": "w10 w11"}) + "\n")
@@ -249,7 +286,11 @@ def test_regenerated_answers_are_the_targets_greedy_output(target_folder, data_f
         greedy = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
         expected = tokenizer.decode(greedy[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
         assert assistant["content"] == expected
-    # the trainer reads what regenerate writes
-    log = _train(target_folder, output, tmp_path / "head", "--method", "eagle3", "--draft-vocab-size", "96",
-                 "--ttt-steps", "2", "--max-steps", "1", "--batch-size", "4", "--eval-fraction", "0.2")
-    assert [r["step"] for r in log if "loss" in r] == [1]
+        assert record["truncated"] == (EOS_TOKEN_ID not in greedy[0, inputs.input_ids.shape[1] :].tolist())
+    # the trainer reads what regenerate writes, and teaches no end of turn after a truncated answer
+    # (this tokenizer decodes words fused, so each answer re-tokenizes to one token)
+    data = tokenize_records(load_records(output), tokenizer, max_length=64, min_loss_tokens=1)
+    assert len(data) == len(records)
+    for record, ids, mask in zip(records, data.input_ids, data.loss_masks):
+        assert (ids[-1] == EOS_TOKEN_ID) == (not record["truncated"])
+        assert mask[-1] == 1

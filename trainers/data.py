@@ -80,9 +80,17 @@ def check_chat_template(tokenizer) -> None:
         raise ValueError("the trainer needs a fast tokenizer (character offsets locate the assistant turns)")
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask: 1 on assistant tokens), cut to `max_length` tokens."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+def tokenize_conversation(
+    tokenizer, messages: list[dict], max_length: int, open_ending: bool = False
+) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask: 1 on assistant tokens), cut to `max_length` tokens.
+
+    `open_ending`: the last assistant turn was cut off (a regenerated answer that hit its token
+    limit), so it is rendered without its end-of-turn marker: the target did not stop there."""
+    if not messages:
+        return [], []  # real dumps hold empty conversations (ShareGPT has some); they teach nothing
+    open_ending = open_ending and messages[-1]["role"] == "assistant"
+    text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=open_ending)
     spans, cursor = [], 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or not message["content"].strip():
@@ -124,7 +132,7 @@ def tokenize_records(records, tokenizer, max_length: int, min_loss_tokens: int =
         to_messages(records[0])  # raises the error naming the record's fields
     input_ids, loss_masks = [], []
     for record in records:
-        ids, mask = tokenize_conversation(tokenizer, to_messages(record), max_length)
+        ids, mask = tokenize_conversation(tokenizer, to_messages(record), max_length, bool(record.get("truncated")))
         if sum(mask) >= min_loss_tokens:
             input_ids.append(ids)
             loss_masks.append(mask)

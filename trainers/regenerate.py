@@ -8,8 +8,9 @@ come from ChatGPT) it sees features of text the target would not write, and lear
 the target never reaches at inference. EAGLE-3 and SpecForge therefore regenerate the answers with
 the target: the first user turn (after any system turn) of each record is kept, the target
 answers it, greedy by default (what a greedy user runs) or sampled with --temperature. Output:
-jsonl records `{"messages": [..., {"role": "assistant", "content": <target's answer>}]}` that
-the trainer reads directly. Rows are batched by prompt length with left padding.
+jsonl records `{"messages": [..., {"role": "assistant", "content": <target's answer>}],
+"truncated": <cut by --max-new-tokens>}` that the trainer reads directly (a truncated answer is
+rendered without its end-of-turn marker). Rows are batched by prompt length with left padding.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
         if message["role"] == "user":
             return prompt if message["content"].strip() else None
     return None
+
+
+def _as_list(ids) -> list[int]:
+    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -77,6 +82,7 @@ def main(argv: list[str] | None = None) -> Path:
     prompts.sort(key=lambda p: len(p[1]))  # similar lengths per batch: little padding
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
+    eos_ids = torch.tensor(_as_list(model.generation_config.eos_token_id or tokenizer.eos_token_id))
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     with open(output, "w") as out, torch.no_grad():
         for begin in tqdm(range(0, len(prompts), args.batch_size), desc="regenerating"):
@@ -85,10 +91,14 @@ def main(argv: list[str] | None = None) -> Path:
             sequences = model.generate(
                 **inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
             )
-            answers = tokenizer.batch_decode(sequences[:, inputs.input_ids.shape[1] :], skip_special_tokens=True)
-            for (prompt, _), answer in zip(batch, answers):
+            new_tokens = sequences[:, inputs.input_ids.shape[1] :]
+            answers = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+            # an answer cut by --max-new-tokens has no end of turn: the trainer must not teach one there
+            truncated = ~torch.isin(new_tokens, eos_ids).any(dim=1)
+            for (prompt, _), answer, cut in zip(batch, answers, truncated.tolist()):
                 if answer.strip():
-                    out.write(json.dumps({"messages": [*prompt, {"role": "assistant", "content": answer}]}) + "\n")
+                    message = {"role": "assistant", "content": answer}
+                    out.write(json.dumps({"messages": [*prompt, message], "truncated": cut}) + "\n")
             out.flush()
     return output
 
