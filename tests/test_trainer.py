@@ -161,6 +161,7 @@ def test_init_from_continues_a_trained_head(target_folder, data_file, tmp_path):
     still_log = _train(target_folder, data_file, still, *common, "--init-from", str(first), "--lr", "1e-12",
                        "--max-steps", "1")
     assert json.loads((still / "trainer_state.json").read_text())["init_from"] == str(first)
+    assert f"(continuing the head {first})" in (still / "README.md").read_text()
     kept = load_file(str(still / "model.safetensors"))
     assert sorted(kept) == sorted(trained)
     assert all(torch.equal(kept[name], trained[name]) for name in trained)

@@ -407,7 +407,7 @@ def card_fields(state: dict, args) -> dict:
     tau = state["eval"].get("eval/simulated_tau")
     return {
         "base_model": args.base_model or args.target,
-        "training_data": args.data,
+        "training_data": args.data if not args.init_from else f"{args.data} (continuing the head {args.init_from})",
         "num_records": state["num_train_records"],
         "num_steps": state["steps"],
         "tokens_seen": state["tokens_seen"],
