@@ -25,42 +25,39 @@ from pathlib import Path
 import torch
 from hf_specdec.trainers.data import collate, tokenize_records
 from hf_specdec.trainers.objectives import DraftTrainingObjective
+from hf_specdec.trainers.regenerate import answer_batch
 from hf_specdec.trainers.target_states import run_target
 from safetensors.torch import load_file
 
 from hf_specdec.eagle_heads import EagleHead, load_eagle_head
-from hf_specdec.real_models import humaneval_problems, load_smollm2, mtbench_questions
+from hf_specdec.real_models import humaneval_user_turns, load_smollm2, mtbench_user_turns
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
-HUMANEVAL_INSTRUCTION = (
-    "Please provide a self-contained Python script that solves the following problem in a markdown code block:"
-)
+USER_TURNS = {"mt-bench": mtbench_user_turns, "humaneval": humaneval_user_turns}
 
 
-def user_turns(name: str, limit: int) -> list[str]:
-    if name == "mt-bench":
-        return [q["turns"][0] for q in mtbench_questions()[:limit]]
-    if name == "humaneval":
-        return [f"{HUMANEVAL_INSTRUCTION}\n```python\n{p['prompt'].strip()}\n```" for p in humaneval_problems()[:limit]]
-    raise ValueError(f"prompt set {name!r} is unknown; allowed: mt-bench, humaneval")
+def parse_sets(text: str) -> list[tuple[str, int]]:
+    """"mt-bench:40,humaneval:20" -> [("mt-bench", 40), ("humaneval", 20)]; ValueError naming --sets."""
+    sets = []
+    for spec in text.split(","):
+        name, _, count = spec.partition(":")
+        if name not in USER_TURNS or not count.isdigit() or int(count) < 1:
+            raise ValueError(
+                f"--sets entry {spec!r} is invalid; allowed: name:count with name in {sorted(USER_TURNS)} "
+                "and count an integer >= 1"
+            )
+        sets.append((name, int(count)))
+    return sets
 
 
-@torch.no_grad()
 def target_answers(model, tokenizer, turns: list[str], max_new_tokens: int, batch_size: int = 16) -> list[dict]:
-    """`messages` records: each turn with the target's greedy answer (truncated answers flagged)."""
-    eos = model.generation_config.eos_token_id
-    eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos])
-    records = []
-    for begin in range(0, len(turns), batch_size):
-        prompts = [[{"role": "user", "content": t}] for t in turns[begin : begin + batch_size]]
-        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        new = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)[:, inputs.input_ids.shape[1] :]
-        for prompt, row in zip(prompts, new):
-            ended = bool(torch.isin(row, eos_ids).any())
-            answer = tokenizer.decode(row, skip_special_tokens=True)
-            records.append({"messages": [*prompt, {"role": "assistant", "content": answer}], "truncated": not ended})
-    return records
+    """The target's greedy answers to each user turn, in order (truncated answers flagged)."""
+    prompts = [[{"role": "user", "content": turn}] for turn in turns]
+    return [
+        record
+        for begin in range(0, len(prompts), batch_size)
+        for record in answer_batch(model, tokenizer, prompts[begin : begin + batch_size], max_new_tokens)
+    ]
 
 
 def load_head(source: str, target, architecture: str | None) -> EagleHead:
@@ -70,7 +67,14 @@ def load_head(source: str, target, architecture: str | None) -> EagleHead:
         raise ValueError(f"{source!r} has no config.json: pass --architecture <a head folder of the same shape>")
     head = load_eagle_head(architecture, target)
     state = {k.removeprefix("head."): v for k, v in load_file(str(Path(source) / "model.safetensors")).items()}
-    head.load_state_dict(state, strict=False)  # the borrowed embedding is not in either state dict
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    # only what the head borrows from the target may be absent; anything else is the wrong architecture
+    missing = [name for name in missing if not name.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {source!r} does not fit --architecture {architecture!r}: missing {missing}, "
+            f"unexpected {unexpected}"
+        )
     return head
 
 
@@ -101,14 +105,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
+    for name in ("steps", "max_new_tokens", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; allowed: an integer >= 1")
+    try:
+        sets = parse_sets(args.sets)
+    except ValueError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
     results: dict = {}
-    for spec in args.sets.split(","):
-        name, _, count = spec.partition(":")
+    for name, count in sets:
+        spec = f"{name}:{count}"
         cached = RESULTS / f"head_acceptance_answers_{name}_{count}_{args.max_new_tokens}.jsonl"
         if not cached.is_file():
-            records = target_answers(model, tokenizer, user_turns(name, int(count)), args.max_new_tokens)
+            records = target_answers(model, tokenizer, USER_TURNS[name](count), args.max_new_tokens)
             cached.parent.mkdir(parents=True, exist_ok=True)
             cached.write_text("".join(json.dumps(r) + "\n" for r in records))
         records = [json.loads(line) for line in cached.read_text().splitlines()]

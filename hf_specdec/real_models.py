@@ -131,20 +131,29 @@ def sharegpt_conversations(limit: int | None = None) -> list[dict]:
     return records
 
 
-def humaneval_prompts(tokenizer, limit: int | None = None) -> list[str]:
-    """HumanEval problems as chat prompts, in EvalPlus's instruction form (the model writes the
+def humaneval_user_turns(limit: int | None = None) -> list[str]:
+    """HumanEval problems as user messages, in EvalPlus's instruction form (the model writes the
     whole function in a code block)."""
-    messages = [
+    return [
         "Please provide a self-contained Python script that solves the following problem in a markdown "
         f"code block:\n```python\n{problem['prompt'].strip()}\n```"
         for problem in humaneval_problems()[:limit]
     ]
-    return [_render(tokenizer, m) for m in messages]
+
+
+def mtbench_user_turns(limit: int | None = None) -> list[str]:
+    """MT-bench first turns as user messages."""
+    return [q["turns"][0] for q in mtbench_questions()[:limit]]
+
+
+def humaneval_prompts(tokenizer, limit: int | None = None) -> list[str]:
+    """HumanEval user turns rendered as chat prompts."""
+    return [_render(tokenizer, m) for m in humaneval_user_turns(limit)]
 
 
 def mtbench_prompts(tokenizer, limit: int | None = None) -> list[str]:
-    """MT-bench first turns as chat prompts."""
-    return [_render(tokenizer, q["turns"][0]) for q in mtbench_questions()[:limit]]
+    """MT-bench first turns rendered as chat prompts."""
+    return [_render(tokenizer, m) for m in mtbench_user_turns(limit)]
 
 
 def _render(tokenizer, message: str) -> str:
@@ -156,8 +165,10 @@ def _render(tokenizer, message: str) -> str:
 __all__ = [
     "humaneval_problems",
     "humaneval_prompts",
+    "humaneval_user_turns",
     "load_smollm2",
     "mtbench_prompts",
+    "mtbench_user_turns",
     "mtbench_questions",
     "sharegpt_conversations",
     "smollm2_path",

@@ -230,7 +230,9 @@ def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer, 
     base = ["--target", "x", "--data", "y", "--output", "z"]
     for bad, field in ((["--method", "medusa"], "--method"), (["--ttt-steps", "0"], "--ttt-steps"),
                        (["--lr", "0"], "--lr"), (["--max-steps", "0"], "--max-steps"),
-                       (["--save-every", "-1"], "--save-every"), (["--step-weight", "-0.5"], "--step-weight")):
+                       (["--save-every", "-1"], "--save-every"), (["--step-weight", "-0.5"], "--step-weight"),
+                       (["--draft-vocab-size", "0"], "--draft-vocab-size"),
+                       (["--method", "eagle", "--draft-vocab-size", "64"], "--draft-vocab-size")):
         with pytest.raises(SystemExit):
             trainer.parse_args(base + bad)
         assert field in capsys.readouterr().err

@@ -91,7 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.ttt_steps is None:
         args.ttt_steps = 7 if args.method == "eagle3" else 1
-    minimums = {"num_layers": 1, "ttt_steps": 1, "max_length": 2, "batch_size": 1, "num_epochs": 1, "max_steps": 1,
+    if args.method == "eagle" and args.draft_vocab_size is not None:
+        parser.error("--draft-vocab-size is for --method eagle3; EAGLE heads draft over the target's whole vocabulary")
+    minimums = {"num_layers": 1, "draft_vocab_size": 1, "ttt_steps": 1, "max_length": 2, "batch_size": 1, "num_epochs": 1, "max_steps": 1,
                 "max_records": 1, "max_eval_records": 1, "warmup_steps": 0, "eval_every": 0, "save_every": 0,
                 "keep_checkpoints": 0, "seed": 0, "num_threads": 1}
     for name, minimum in minimums.items():

@@ -34,8 +34,30 @@ def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
     return None
 
 
-def _as_list(ids) -> list[int]:
-    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
+@torch.no_grad()
+def answer_batch(
+    model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None
+) -> list[dict]:
+    """The target's answers to a batch of chat prompts (a left-padding tokenizer), as trainer records
+    `{"messages": [*prompt, answer], "truncated": bool}`; empty answers are dropped. Greedy unless
+    `sampling` says otherwise."""
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    sequences = model.generate(
+        **inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+        **(sampling or {"do_sample": False}),
+    )
+    new_tokens = sequences[:, inputs.input_ids.shape[1] :]
+    answers = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+    eos_ids = torch.tensor(list(eos) if isinstance(eos, (list, tuple)) else [eos])
+    # an answer cut by max_new_tokens has no end of turn: the trainer must not teach one there
+    truncated = ~torch.isin(new_tokens, eos_ids).any(dim=1)
+    return [
+        {"messages": [*prompt, {"role": "assistant", "content": answer}], "truncated": cut}
+        for prompt, answer, cut in zip(prompts, answers, truncated.tolist())
+        if answer.strip()
+    ]
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -82,23 +104,12 @@ def main(argv: list[str] | None = None) -> Path:
     prompts.sort(key=lambda p: len(p[1]))  # similar lengths per batch: little padding
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    eos_ids = torch.tensor(_as_list(model.generation_config.eos_token_id or tokenizer.eos_token_id))
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
-    with open(output, "w") as out, torch.no_grad():
+    with open(output, "w") as out:
         for begin in tqdm(range(0, len(prompts), args.batch_size), desc="regenerating"):
-            batch = prompts[begin : begin + args.batch_size]
-            inputs = tokenizer([text for _, text in batch], return_tensors="pt", padding=True, add_special_tokens=False)
-            sequences = model.generate(
-                **inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
-            )
-            new_tokens = sequences[:, inputs.input_ids.shape[1] :]
-            answers = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-            # an answer cut by --max-new-tokens has no end of turn: the trainer must not teach one there
-            truncated = ~torch.isin(new_tokens, eos_ids).any(dim=1)
-            for (prompt, _), answer, cut in zip(batch, answers, truncated.tolist()):
-                if answer.strip():
-                    message = {"role": "assistant", "content": answer}
-                    out.write(json.dumps({"messages": [*prompt, message], "truncated": cut}) + "\n")
+            batch = [prompt for prompt, _ in prompts[begin : begin + args.batch_size]]
+            for record in answer_batch(model, tokenizer, batch, args.max_new_tokens, sampling):
+                out.write(json.dumps(record) + "\n")
             out.flush()
     return output
 
