@@ -11,19 +11,23 @@ arm: decode steps, the sampler's milliseconds per step and its share of the whol
 `spec_metrics['sampler_seconds'] / spec_metrics['total_seconds']`. The sampler's time covers
 the logits processors, the random draws and `rejection_sample` (the reference, on CPU).
 
-GPU part (when `torch.cuda.is_available()`): `rejection_sample_triton` vs
+GPU part (when `torch.cuda.is_available()`): first the decode loop on CUDA tensors (a tiny random
+Llama: speculative greedy generate() against plain generate(), and seeded sampling with the
+kernels against the reference); then `rejection_sample_triton` vs
 `rejection_sample_reference` on random tensors (no model, no download) for batch 1..256,
 k 1..8, vocabularies of 50k and 150k, greedy rows, sampled rows with one-hot drafts and sampled
 rows with draft probabilities. Each call includes the shared softmax; times are CUDA-event
 medians over repeats after warm-up, and every configuration checks that both backends emit
 identical tokens. Stops starting new configurations after --gpu-budget-s (default 240 s), so it
-ends within 5 minutes on an H100 / H200.
+ends within 5 minutes on an H100 / H200. Last, what transformers' temperature, top-k and top-p
+warpers cost on the same verify logits, next to the kernels' whole step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -33,7 +37,12 @@ import torch
 
 import hf_specdec
 from hf_specdec.metadata import SpecDecodeMetadata
-from hf_specdec.rejection_sampler import RandomDraws, rejection_backend, rejection_sample_reference
+from hf_specdec.rejection_sampler import (
+    BACKEND_ENV_VAR,
+    RandomDraws,
+    rejection_backend,
+    rejection_sample_reference,
+)
 
 GPU_BATCH_SIZES = (1, 4, 16, 64, 256)
 GPU_NUM_DRAFTS = (1, 2, 4, 8)
@@ -207,6 +216,106 @@ def gpu_kernels_vs_reference(args: argparse.Namespace) -> list[dict]:
     return runs
 
 
+def gpu_sampling_parameters_cost(args: argparse.Namespace) -> list[dict]:
+    """What transformers' temperature / top-k / top-p warpers cost on a step's verify logits, next to
+    the kernels' whole rejection step: where a fused kernel for them would pay."""
+    from hf_specdec.kernels.rejection import rejection_sample_triton
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    device = torch.device("cuda")
+    warpers = {
+        "temperature": TemperatureLogitsWarper(0.7),
+        "top_k": TopKLogitsWarper(50),
+        "top_p": TopPLogitsWarper(0.9),
+    }
+    print("transformers' warpers on the verify logits vs the rejection kernels, ms")
+    runs = []
+    for vocab_size in GPU_VOCAB_SIZES:
+        for batch_size, num_drafts in ((1, 4), (16, 4), (64, 4), (256, 4), (256, 8)):
+            case = gpu_case(batch_size, num_drafts, vocab_size, "sampled", device)
+            input_ids = torch.zeros(case["logits"].shape[0], 8, dtype=torch.long, device=device)
+            run = {"vocab_size": vocab_size, "batch_size": batch_size, "num_drafts": num_drafts}
+            for name, warper in warpers.items():
+                run[f"{name}_ms"] = cuda_median_ms(
+                    lambda warper=warper, input_ids=input_ids, **case: warper(
+                        input_ids, case["logits"].clone()
+                    ),
+                    case,
+                    args.warmup,
+                    args.repeats,
+                )
+            run["rejection_kernels_ms"] = cuda_median_ms(
+                rejection_sample_triton, case, args.warmup, args.repeats
+            )
+            runs.append(run)
+            print(
+                f"vocab {vocab_size:>6} batch {batch_size:>3} k {num_drafts}: "
+                + " ".join(f"{key[:-3]} {value:.3f}" for key, value in run.items() if key.endswith("_ms")),
+                flush=True,
+            )
+            del case
+    return runs
+
+
+def gpu_decode_loop_check(device: torch.device) -> dict:
+    """The decode loop on CUDA tensors, on a tiny random Llama (fp32): speculative greedy generate()
+    equals plain generate() token for token, and seeded speculative sampling emits the same tokens
+    with the kernels as with the reference (same per-row draws)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+    )
+    model = LlamaForCausalLM(config).to(device).eval()
+    # left-padded rows of different lengths, each a span repeated so that n-gram drafts get accepted
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (length,), generator=generator).repeat(3) for length in (4, 6, 9, 5)]
+    width = max(len(prompt) for prompt in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = prompt
+        attention_mask[row, width - len(prompt) :] = 1
+    inputs = {
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention_mask.to(device),
+        "max_new_tokens": 64,
+    }
+    speculative = {
+        "custom_generate": hf_specdec.generate,
+        "return_dict_in_generate": True,
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 5, "seed": 7},
+    }
+
+    plain = model.generate(**inputs, do_sample=False)
+    greedy = model.generate(**inputs, do_sample=False, **speculative)
+    sampled = {}
+    for backend in ("triton", "torch"):
+        os.environ[BACKEND_ENV_VAR] = backend
+        sampled[backend] = model.generate(**inputs, do_sample=True, temperature=0.8, top_k=50, **speculative)
+    del os.environ[BACKEND_ENV_VAR]
+    result = {
+        "backend": rejection_backend(device),
+        "greedy_identical": torch.equal(greedy.sequences, plain),
+        "greedy_accepted_tokens": greedy.spec_metrics["num_accepted_tokens"],
+        "sampled_same_with_both_backends": torch.equal(
+            sampled["triton"].sequences, sampled["torch"].sequences
+        ),
+    }
+    print(f"decode loop on CUDA (tiny random Llama, n-gram k=5): {result}", flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -228,7 +337,9 @@ def main() -> None:
     if not args.gpu_only:
         results["cpu"] = cpu_sampler_share(args)
     if torch.cuda.is_available():
+        results["gpu_decode_loop"] = gpu_decode_loop_check(torch.device("cuda"))
         results["gpu"] = gpu_kernels_vs_reference(args)
+        results["gpu_sampling_parameters"] = gpu_sampling_parameters_cost(args)
     elif args.gpu_only:
         raise SystemExit("--gpu-only needs a CUDA device")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -55,8 +55,11 @@ def draw_random(
         if generator is not None:
             # drawn where the generator lives (a CPU generator cannot fill a CUDA tensor), then copied
             uniform[start : start + count] = torch.rand(count, generator=generator, device=generator.device)
-            noise = torch.empty(vocab_size, device=generator.device)
-            exponential[row] = noise.exponential_(generator=generator)
+            # Exp(1) by inverse CDF, -log(1 - U): on CPU torch's exponential_ took 4.5x as long for
+            # SmolLM2's 49k vocabulary. U has 24 random bits, the resolution at which the race's own
+            # float32 division w / E rounds anyway.
+            uniform_vector = torch.rand(vocab_size, generator=generator, device=generator.device)
+            exponential[row] = uniform_vector.neg_().log1p_().neg_()
         start += count
     return RandomDraws(uniform=uniform, exponential=exponential)
 
@@ -137,14 +140,21 @@ def rejection_sample_reference(
     sampled_any = target_probs is not None
     if sampled_any and draws is None:
         raise ValueError("rejection_sample needs random draws for sampled rows")
+    # the argmax at every logits position, read at the drafts and at the extra token; skipped when
+    # every row samples (over a 49k vocabulary it was most of such a step's sampler time on CPU)
+    argmax_tokens = None if sampled_any and not bool(is_greedy.any()) else logits.argmax(dim=-1)
 
     # 1. does each draft pass on its own?
-    passes = draft_ids == logits[metadata.target_logits_indices].argmax(dim=-1)
+    if argmax_tokens is not None:
+        passes = draft_ids == argmax_tokens[metadata.target_logits_indices]
     if sampled_any:
         target_p = target_probs[metadata.target_logits_indices, draft_ids]
         draft_q = 1.0 if draft_probs is None else draft_probs.gather(1, draft_ids[:, None])[:, 0]
-        is_greedy_draft = torch.repeat_interleave(is_greedy, num_draft)
-        passes = torch.where(is_greedy_draft, passes, draws.uniform * draft_q < target_p)
+        sampled_passes = draws.uniform * draft_q < target_p
+        if argmax_tokens is None:
+            passes = sampled_passes
+        else:
+            passes = torch.where(torch.repeat_interleave(is_greedy, num_draft), passes, sampled_passes)
 
     # 2. accepted = the leading run of passing drafts; grids are [rows, max_spec_len]
     offsets = torch.arange(metadata.max_spec_len, device=device)
@@ -154,7 +164,6 @@ def rejection_sample_reference(
 
     # 3. one extra token per row: at the first rejected position, or at the bonus position
     extra_index = metadata.bonus_logits_indices - num_draft + num_accepted
-    extra_tokens = logits[extra_index].argmax(dim=-1)
     if sampled_any:
         weights = target_probs[extra_index]
         rejected = num_accepted < num_draft
@@ -165,8 +174,11 @@ def rejection_sample_reference(
             else:
                 residual = (weights - draft_probs[rejected_draft]).clamp_min(0.0)
             weights = torch.where(rejected[:, None], residual, weights)
-        sampled_extra = (weights / draws.exponential.clamp_min(NOISE_FLOOR)).argmax(dim=-1)
-        extra_tokens = torch.where(is_greedy, extra_tokens, sampled_extra)
+        extra_tokens = (weights / draws.exponential.clamp_min(NOISE_FLOOR)).argmax(dim=-1)
+        if argmax_tokens is not None:
+            extra_tokens = torch.where(is_greedy, argmax_tokens[extra_index], extra_tokens)
+    else:
+        extra_tokens = argmax_tokens[extra_index]
 
     output = torch.full(
         (num_rows, metadata.max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device

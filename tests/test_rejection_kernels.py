@@ -61,6 +61,14 @@ def gpu_tiles(kernels, case: dict):
     )
 
 
+def chunked_tiles(kernels, columns_per_iteration: int, vocab_splits: int):
+    """GPU-style tiles (one pair per program) with the vocabulary split into chunks, as small batches
+    get them on a GPU, at a size the interpreter runs quickly."""
+    return kernels.LaunchTiles(
+        rows=1, positions=1, vocab=columns_per_iteration, accept_rows=2, vocab_splits=vocab_splits
+    )
+
+
 def random_case(
     seed: int, num_rows: int, vocab_size: int, row_kinds: str, with_draft_probs: bool, max_drafts: int = 32
 ):
@@ -160,6 +168,7 @@ def test_kernels_match_reference_with_gpu_tiles(kernels, vocab_size, row_kinds, 
         max_drafts=12,
     )
     assert_backends_agree(kernels, case, tiles=gpu_tiles(kernels, case))
+    assert_backends_agree(kernels, case, tiles=chunked_tiles(kernels, 16, 7))
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True], ids=["one_hot", "draft_probs"])
@@ -212,6 +221,9 @@ def test_ties_break_to_the_first_index(kernels):
             }
             assert_backends_agree(kernels, case)
             assert_backends_agree(kernels, case, tiles=gpu_tiles(kernels, case))
+            # five chunks of two columns: 4 and 7 are in different chunks, so the tie is broken
+            # when the accept kernel reduces the chunks
+            assert_backends_agree(kernels, case, tiles=chunked_tiles(kernels, 2, 5))
 
     # q == p and p(first draft) = 0: every drafting row rejects at once, its residual is all zero,
     # so every race value is 0 and the recovered token is column 0
@@ -326,32 +338,41 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hf_specdec.kernels import rejection
 
-INT64_POINTERS = {"position_tokens_ptr", "output_ptr", "num_accepted_ptr", "draft_ids_ptr", "cu_num_draft_ptr",
+INT32_POINTERS = {"best_columns_ptr"}
+INT64_POINTERS = {"output_ptr", "num_accepted_ptr", "draft_ids_ptr", "cu_num_draft_ptr",
                   "target_logits_indices_ptr", "bonus_logits_indices_ptr"}
 
 def argument_type(name):
     if name.isupper():
         return "constexpr"
     if name.endswith("_ptr"):
-        return "*i1" if name == "is_greedy_ptr" else "*i64" if name in INT64_POINTERS else "*fp32"
+        if name == "is_greedy_ptr":
+            return "*i1"
+        return "*i32" if name in INT32_POINTERS else "*i64" if name in INT64_POINTERS else "*fp32"
     return "fp32" if name == "noise_floor" else "i32"
 
-def compile_for_sm90(kernel, constexprs):
+def compile_for_sm90(kernel, constexprs, num_warps=4):
     signature = {name: argument_type(name) for name in kernel.arg_names}
     source = ASTSource(kernel, signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
 
-for vocab_size, output_width in ((151_936, 9), (50_000, 33)):
-    tiles = rejection.LaunchTiles.choose(256, output_width, vocab_size, interpreted=False)
+# batch 256 (one chunk per pair) and batch 1 (the vocabulary split into chunks)
+for num_rows, vocab_size, output_width in ((256, 151_936, 9), (256, 50_000, 33), (1, 151_936, 2)):
+    tiles = rejection.LaunchTiles.choose(num_rows, output_width, vocab_size, interpreted=False)
+    num_chunks = tiles.vocab_chunks(vocab_size)[1]
     for has_draft_probs in (False, True):
-        ptx = compile_for_sm90(rejection._position_tokens_kernel, {
-            "HAS_DRAFT_PROBS": has_draft_probs, "BLOCK_ROWS": tiles.rows,
-            "BLOCK_POSITIONS": tiles.positions, "BLOCK_V": tiles.vocab,
-        })
-        assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+        for all_greedy in (False, True):
+            ptx = compile_for_sm90(rejection._position_tokens_kernel, {
+                "ALL_GREEDY": all_greedy, "HAS_DRAFT_PROBS": has_draft_probs, "BLOCK_ROWS": tiles.rows,
+                "BLOCK_POSITIONS": tiles.positions, "BLOCK_V": tiles.vocab,
+                "BLOCK_SPEC": triton.next_power_of_2(output_width),
+            }, num_warps=tiles.warps)
+            if not all_greedy:
+                assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
         compile_for_sm90(rejection._accept_kernel, {
             "HAS_DRAFT_PROBS": has_draft_probs, "PLACEHOLDER": -1, "BLOCK_ROWS": tiles.accept_rows,
             "BLOCK_SPEC": triton.next_power_of_2(output_width),
+            "BLOCK_CHUNKS": triton.next_power_of_2(num_chunks),
         })
 print("compiled")
 """

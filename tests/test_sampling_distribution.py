@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import SMALL_VOCAB_SIZE, build_small_vocab_llama
-from scipy.stats import chisquare
+from scipy.stats import chisquare, kstest
 
 import hf_specdec
 from hf_specdec import decoding
 from hf_specdec.metadata import SpecDecodeMetadata
-from hf_specdec.rejection_sampler import RandomDraws, rejection_sample
+from hf_specdec.rejection_sampler import RandomDraws, draw_random, rejection_sample
 
 NEW_TOKENS = 3
 PROMPT = [3, 5, 7, 3, 5, 7, 3, 5]  # repeats, so the n-gram drafter proposes "7 3 5 ..."
@@ -191,3 +191,25 @@ def test_rejection_sampler_output_follows_p(one_hot_drafts):
     if not one_hot_drafts:  # acceptance rate is sum(min(p, q)) (seed §12.2.2)
         expected_rate = torch.minimum(p, q).sum().item()
         assert abs(num_accepted.float().mean().item() - expected_rate) < 0.01
+
+
+def test_draw_random_gives_each_row_its_own_draws():
+    """One U[0, 1) per draft and one Exp(1) vector per sampled row, each from the row's own generator;
+    greedy rows (no generator) get placeholders."""
+    vocab, cpu = 50_000, torch.device("cpu")
+    metadata = SpecDecodeMetadata.from_drafts([np.zeros(n, dtype=np.int64) for n in (3, 0, 5)])
+    generators = [torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(2)]
+    draws = draw_random(generators, metadata, vocab, cpu)
+    assert draws.uniform.shape == (8,) and draws.exponential.shape == (3, vocab)
+    assert ((draws.uniform >= 0) & (draws.uniform < 1)).all()
+    assert torch.equal(draws.exponential[1], torch.ones(vocab))
+    for row in (0, 2):
+        noise = draws.exponential[row]
+        assert torch.isfinite(noise).all() and (noise >= 0).all()
+        assert kstest(noise.numpy(), "expon").pvalue > 1e-3
+    assert kstest(torch.cat([draws.exponential[0], draws.exponential[2]]).numpy(), "expon").pvalue > 1e-3
+    alone = draw_random(
+        [torch.Generator().manual_seed(2)], SpecDecodeMetadata.from_drafts([np.zeros(5, dtype=np.int64)]), vocab, cpu
+    )
+    assert torch.equal(alone.exponential[0], draws.exponential[2])
+    assert torch.equal(alone.uniform, draws.uniform[3:])
