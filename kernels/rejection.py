@@ -53,7 +53,7 @@ from hf_specdec.rejection_sampler import NOISE_FLOOR, PLACEHOLDER_TOKEN_ID, Rand
 MAX_SPEC_LEN = 32  # drafts per row the accept kernel takes in one vector (SpeculativeConfig's k limit)
 GPU_VOCAB_BLOCK = 2048  # vocabulary columns a GPU position-token program reads per loop iteration
 GPU_ACCEPT_ROWS = 16  # rows per GPU accept program: each row is a few scalars per draft
-GPU_POSITION_WARPS = 8  # warps per GPU position-token program (8 beat 4 by up to 16% on an H200)
+GPU_POSITION_WARPS = 8  # warps per GPU position-token program (4 took up to 30% longer on an H200)
 GPU_TARGET_PROGRAMS = 1024  # position-token programs worth launching: several per SM of an H100 / H200
 GPU_MAX_VOCAB_SPLITS = 64  # chunks per pair at most (the accept kernel reduces them in registers)
 GPU_ACCEPT_TILE = 4096  # partial results an accept program holds (rows x positions x chunks)
