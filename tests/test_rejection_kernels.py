@@ -188,6 +188,21 @@ def test_kernels_match_reference_large_vocab(kernels, row_kinds, with_draft_prob
         assert_backends_agree(kernels, case, tiles=gpu_tiles(kernels, case))
 
 
+def test_gpu_tiles_split_the_vocabulary_only_for_small_launches(kernels):
+    """Few (row, position) pairs get their vocabulary split into chunks (enough programs to fill a
+    GPU); a batch of 256 gets one chunk. Chunks are whole loop iterations, cover the vocabulary,
+    and none is empty."""
+    small = kernels.LaunchTiles.choose(1, 5, 151_936, interpreted=False)
+    large = kernels.LaunchTiles.choose(256, 9, 151_936, interpreted=False)
+    assert small.vocab_splits > 1 and large.vocab_splits == 1
+    for vocab_size in (7, 2048, 2049, 50_000, 151_936):
+        for vocab_splits in (1, 3, 7, 64):
+            tiles = kernels.LaunchTiles(rows=1, positions=1, vocab=512, accept_rows=1, vocab_splits=vocab_splits)
+            chunk_columns, num_chunks = tiles.vocab_chunks(vocab_size)
+            assert chunk_columns % tiles.vocab == 0 and num_chunks <= vocab_splits
+            assert (num_chunks - 1) * chunk_columns < vocab_size <= num_chunks * chunk_columns
+
+
 def test_ties_break_to_the_first_index(kernels):
     """Tied maxima everywhere: greedy argmax, the exponential race, and all-zero residuals."""
     vocab = 10
