@@ -56,6 +56,11 @@ def check_case(case: dict) -> bool:
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "check_kernels_cuda.py needs a CUDA device; without one, tests/test_rejection_kernels.py runs the "
+            "same comparison under Triton's CPU interpreter"
+        )
     device = torch.device("cuda")
     checked = differing = 0
     for vocab_size in VOCAB_SIZES:
