@@ -387,9 +387,15 @@ class EagleHead(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """EAGLE: the target's lm_head on the predicted feature; EAGLE-3: own lm_head after the norm."""
-        if self.norm is not None:
-            hidden_states = self.norm(hidden_states)
-        return (self.lm_head or self._borrowed_module("lm_head"))(hidden_states)
+        return self.output_head()(self.lm_head_input(hidden_states))
+
+    def lm_head_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What `output_head()` scores: the head's hidden states, after its final norm (EAGLE-3)."""
+        return hidden_states if self.norm is None else self.norm(hidden_states)
+
+    def output_head(self) -> nn.Module:
+        """The linear layer that scores drafts: the head's own lm_head, or the target's (EAGLE)."""
+        return self.lm_head or self._borrowed_module("lm_head")
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids (identity for EAGLE)."""

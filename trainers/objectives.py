@@ -40,6 +40,8 @@ from transformers import DynamicCache
 
 from hf_specdec.eagle_heads import EagleHead
 
+from .lm_head_loss import block_rows, soft_label_cross_entropy
+
 
 @dataclass
 class TargetBatch:
@@ -54,6 +56,30 @@ def unroll_mask(length: int, step: int, device: torch.device) -> torch.Tensor:
     causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     diagonal = torch.eye(length, dtype=torch.bool, device=device)
     return torch.cat([causal] + [diagonal] * step, dim=1)[None, None]
+
+
+@torch.no_grad()
+def target_labels(
+    final_hidden: torch.Tensor, target_lm_head: nn.Module, head: EagleHead
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's argmax, whether it lies in the head's vocabulary, and its distribution over
+    that vocabulary (renormalised), for `[labels, H]` final hidden states.
+
+    Computed a block of rows at a time: a whole batch's full-vocabulary logits would be one
+    buffer of labels x vocabulary floats (800 MB for 4k labels and SmolLM2's 49k tokens).
+    """
+    labels = final_hidden.shape[0]
+    draft_ids = torch.arange(head.output_head().weight.shape[0], device=final_hidden.device)
+    draft_ids = head.draft_to_target(draft_ids)  # the target id of each draft-vocabulary entry
+    argmax = torch.empty(labels, dtype=torch.long, device=final_hidden.device)
+    probs = torch.empty(labels, len(draft_ids), dtype=torch.float32, device=final_hidden.device)
+    step = block_rows(target_lm_head.weight.shape[0])
+    for begin in range(0, labels, step):
+        logits = target_lm_head(final_hidden[begin : begin + step]).float()
+        argmax[begin : begin + step] = logits.argmax(dim=-1)
+        probs[begin : begin + step] = logits.index_select(1, draft_ids).softmax(dim=-1)
+    in_draft_vocab = head.t2d[argmax] if head.method == "eagle3" else torch.ones_like(argmax, dtype=torch.bool)
+    return argmax, in_draft_vocab, probs
 
 
 def shifted(tokens: torch.Tensor, shift: int, width: int) -> torch.Tensor:
@@ -87,6 +113,8 @@ class DraftTrainingObjective(nn.Module):
         `correct` / `counted` ([num_steps] each: draft argmax == target argmax), plus
         `accepted_len_sum` / `accepted_len_count` for the simulated acceptance length."""
         head = self.head
+        if getattr(head.output_head(), "bias", None) is not None:
+            raise ValueError("training a head whose lm_head has a bias is not supported (Llama-style lm_heads have none)")
         batch, width = input_ids.shape
         pairs = width - 1  # pair i = (f[i], t[i+1]) for i < width - 1
         device = input_ids.device
@@ -96,14 +124,9 @@ class DraftTrainingObjective(nn.Module):
         label_at[:, :-1] = loss_mask[:, 1:].bool()
         with torch.no_grad():
             label_rows, label_cols = label_at.nonzero(as_tuple=True)
-            target_logits = target_lm_head(target.final_hidden[label_rows, label_cols]).float()
-            target_argmax = target_logits.argmax(dim=-1)
-            if head.method == "eagle3":
-                in_draft_vocab = head.t2d[target_argmax]
-                target_probs = target_logits[:, head.t2d].softmax(dim=-1)
-            else:
-                in_draft_vocab = torch.ones_like(target_argmax, dtype=torch.bool)
-                target_probs = target_logits.softmax(dim=-1)
+            target_argmax, in_draft_vocab, target_probs = target_labels(
+                target.final_hidden[label_rows, label_cols], target_lm_head, head
+            )
             # index of each (row, q) in the label arrays, -1 where q carries no label
             label_index = torch.full((batch, width), -1, dtype=torch.long, device=device)
             label_index[label_rows, label_cols] = torch.arange(len(label_rows), device=device)
@@ -129,14 +152,15 @@ class DraftTrainingObjective(nn.Module):
             keep = in_draft_vocab[labels]
             rows, cols, labels = rows[keep], cols[keep], labels[keep]
             predicted = hidden[rows, cols]
-            draft_logits = head.compute_logits(predicted).float()
-            loss = -(target_probs[labels] * draft_logits.log_softmax(dim=-1)).sum()
+            loss, draft_argmax = soft_label_cross_entropy(
+                head.lm_head_input(predicted), head.output_head().weight, target_probs, labels
+            )
             if head.method == "eagle":
                 next_feature = target.final_hidden[rows, cols + 1 + step].to(predicted.dtype)
                 loss = self.eagle_ce_weight * loss + F.smooth_l1_loss(predicted, next_feature, reduction="sum") / predicted.shape[-1]
             loss_sum = loss_sum + self.step_weights[step] * loss
             with torch.no_grad():
-                hit = head.draft_to_target(draft_logits.argmax(dim=-1)) == target_argmax[labels]
+                hit = head.draft_to_target(draft_argmax) == target_argmax[labels]
                 correct[step] = hit.sum()
                 counted[step] = len(labels)
                 hits[rows, cols, step] = hit
