@@ -107,11 +107,14 @@ class DraftTrainingObjective(nn.Module):
         self.eagle_ce_weight = eagle_ce_weight
 
     def forward(
-        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, target: TargetBatch, target_lm_head: nn.Module
+        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, target: TargetBatch, target_lm_head: nn.Module,
+        return_hits: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Returns `loss_sum` (weighted over steps), `num_label_positions` (step 0), and per step
         `correct` / `counted` ([num_steps] each: draft argmax == target argmax), plus
-        `accepted_len_sum` / `accepted_len_count` for the simulated acceptance length."""
+        `accepted_len_sum` / `accepted_len_count` for the simulated acceptance length.
+        `return_hits` adds `hits`, `[batch, width - 1, num_steps]` bool: draft step j from pair i
+        (the head's draft of token i + 2 + j) equals the target's argmax there."""
         head = self.head
         if getattr(head.output_head(), "bias", None) is not None:
             raise ValueError("training a head whose lm_head has a bias is not supported (Llama-style lm_heads have none)")
@@ -169,7 +172,7 @@ class DraftTrainingObjective(nn.Module):
             # simulated acceptance length of a k = num_steps chain drafted from pair i: its leading hits
             starts = shifted(label_index, 1, pairs) >= 0
             leading = hits.long().cumprod(dim=-1).sum(dim=-1)
-        return {
+        out = {
             "loss_sum": loss_sum,
             "num_label_positions": starts.sum(),
             "correct": correct,
@@ -177,3 +180,6 @@ class DraftTrainingObjective(nn.Module):
             "accepted_len_sum": leading[starts].sum(),
             "accepted_len_count": starts.sum(),
         }
+        if return_hits:
+            out["hits"] = hits
+        return out

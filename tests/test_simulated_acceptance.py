@@ -1,0 +1,89 @@
+"""The trainer's simulated acceptance against what speculative generate() actually accepts.
+
+The trainer's held-out evaluation and `benchmarks/head_acceptance.py` score a head by unrolling
+it over the target's own greedy text (`DraftTrainingObjective`): per position, does the head's
+j-th draft equal the target's token, given the features and its own earlier outputs there.
+Replaying greedy speculative decoding on those hits (k drafts from the last context position,
+accept the leading hits, move on by accepted + 1) must give exactly the drafts and accepted tokens
+generate() counts; otherwise the head trains on features or own-output steps it never drafts
+from, and the figures predict nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_tiny_llama, left_padded_batch, plain_generate
+from hf_specdec.trainers.objectives import DraftTrainingObjective
+from hf_specdec.trainers.target_states import run_target
+
+import hf_specdec
+from hf_specdec.eagle_heads import EagleHead, load_eagle_head
+
+PROMPT_LEN, MAX_NEW_TOKENS, TTT_STEPS = 10, 24, 3
+
+
+@pytest.fixture(scope="module")
+def fitted_head(tmp_path_factory):
+    """A target, the greedy text it writes for 8 prompts, and an EAGLE-3 head fitted to that text
+    (so that many drafts are accepted and the hits decide the replay)."""
+    torch.manual_seed(0)
+    model = hf_specdec.enable(build_tiny_llama())
+    model.generation_config.eos_token_id = None  # every row runs the full max_new_tokens
+    prompts = torch.randint(3, model.config.vocab_size, (8, PROMPT_LEN)).tolist()
+    inputs = left_padded_batch(prompts)
+    sequences = plain_generate(model, **inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    loss_mask = torch.zeros_like(sequences)
+    loss_mask[:, PROMPT_LEN:] = 1
+
+    vocab = model.config.vocab_size
+    head = EagleHead.for_target(model, "eagle3", draft_vocab=list(range(0, vocab, 2)) + list(range(1, vocab, 2)), seed=0)
+    head.train()
+    objective = DraftTrainingObjective(head, num_steps=TTT_STEPS)
+    states = run_target(model, sequences, head.feature_layers_for(len(model.model.layers)))
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(150):
+        out = objective(sequences, loss_mask, states, model.get_output_embeddings())
+        (out["loss_sum"] / out["num_label_positions"]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    folder = tmp_path_factory.mktemp("head")
+    head.save_pretrained(folder)
+    return model, inputs, sequences, folder
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_simulated_hits_replay_speculative_generate(fitted_head, k):
+    model, inputs, sequences, folder = fitted_head
+    out = model.generate(
+        **inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+        speculative_config={"method": "eagle3", "model": str(folder), "num_speculative_tokens": k},
+    )
+    assert torch.equal(out.sequences, sequences)
+
+    head = load_eagle_head(folder, target=model, method="eagle3")  # the weights generate() drafted with
+    loss_mask = torch.zeros_like(sequences)
+    loss_mask[:, PROMPT_LEN:] = 1
+    states = run_target(model, sequences, head.feature_layers_for(len(model.model.layers)))
+    with torch.no_grad():
+        hits = DraftTrainingObjective(head, num_steps=TTT_STEPS)(
+            sequences, loss_mask, states, model.get_output_embeddings(), return_hits=True
+        )["hits"]
+
+    accepted_per_pos = [0] * k
+    drafted = 0
+    end = PROMPT_LEN + MAX_NEW_TOKENS
+    for row in range(len(sequences)):
+        length = PROMPT_LEN + 1  # the prefill step emits one token
+        while length < end:
+            max_draft = min(k, end - length - 1)  # never more than the row may still emit, minus the bonus
+            # drafts from pair length - 2 (its feature, the last token) propose tokens length, length + 1, ...
+            run = int(hits[row, length - 2, :max_draft].long().cumprod(dim=0).sum()) if max_draft > 0 else 0
+            drafted += max_draft
+            for position in range(run):
+                accepted_per_pos[position] += 1
+            length += run + 1
+    metrics = out.spec_metrics
+    assert metrics["num_accepted_tokens"] >= 0.3 * metrics["num_draft_tokens"], metrics  # the hits matter
+    assert metrics["num_draft_tokens"] == drafted
+    assert metrics["num_accepted_tokens_per_pos"] == accepted_per_pos
