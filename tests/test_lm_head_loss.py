@@ -73,3 +73,34 @@ def test_target_labels_match_the_whole_vocabulary_form(monkeypatch):
     assert torch.equal(argmax, logits.argmax(dim=-1))
     assert torch.equal(in_draft_vocab, torch.isin(argmax, torch.tensor(draft_vocab)))
     torch.testing.assert_close(probs, logits[:, draft_vocab].softmax(dim=-1))
+
+
+def test_soft_label_cross_entropy_under_bf16_autocast(small_blocks):
+    # --mixed-precision bf16: the matmuls run in bf16, the loss is scored and the gradients land in fp32
+    torch.manual_seed(0)
+    hidden = torch.randn(11, 8, requires_grad=True)
+    weight = torch.randn(40, 8, requires_grad=True)
+    label_probs = torch.softmax(torch.randn(6, 40), dim=-1)
+    label_rows = torch.tensor([5, 0, 0, 3, 1, 2, 4, 5, 1, 0, 3])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = soft_label_cross_entropy(hidden, weight, label_probs, label_rows)
+    loss.backward()
+    assert loss.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.float32
+
+    reference_hidden = hidden.detach().requires_grad_()
+    reference_weight = weight.detach().requires_grad_()
+    expected = -(label_probs[label_rows] * (reference_hidden @ reference_weight.T).log_softmax(dim=-1)).sum()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=2e-2, atol=0)
+    torch.testing.assert_close(hidden.grad, reference_hidden.grad, rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(weight.grad, reference_weight.grad, rtol=5e-2, atol=5e-2)
+
+
+def test_a_head_whose_lm_head_has_a_bias_is_refused():
+    from hf_specdec.trainers.objectives import DraftTrainingObjective
+
+    target = build_tiny_llama()
+    head = EagleHead.for_target(target, "eagle3")
+    head.lm_head = torch.nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=True)
+    with pytest.raises(ValueError, match="lm_head has a bias is not supported"):
+        DraftTrainingObjective(head)

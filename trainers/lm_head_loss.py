@@ -3,9 +3,9 @@
 The plain form, `-(probs * (hidden @ W.T).log_softmax(-1)).sum()`, materialises several
 `[rows, vocabulary]` tensors per draft step (logits, log-probabilities, the labels gathered for
 those rows, their product, and the gradient), each hundreds of MB for a batch of 8 x 512 tokens.
-On CPU every fresh buffer that large is a new mapping whose pages fault in on first touch, and
-those memory passes took about a quarter of an EAGLE-3 training step (SmolLM2, 16k draft
-vocabulary). Here each block of rows computes its logits, its loss and its gradients at once and
+On CPU every fresh buffer that large is a new mapping whose pages fault in on first touch; with
+them, an EAGLE-3 trainer step for SmolLM2 (16k draft vocabulary, 8 x 512 tokens, 2 cores) took
+21.5 s against 17.0 s blockwise (medians over the same 10 batches). Here each block of rows computes its logits, its loss and its gradients at once and
 drops the block: nothing vocabulary-wide outlives a block, and the per-block buffers are small
 enough for the allocator to reuse.
 

@@ -101,6 +101,8 @@ class DraftTrainingObjective(nn.Module):
         super().__init__()
         if num_steps < 1:
             raise ValueError(f"--ttt-steps={num_steps} is invalid; allowed: an integer >= 1")
+        if getattr(head.output_head(), "bias", None) is not None:
+            raise ValueError("training a head whose lm_head has a bias is not supported (Llama-style lm_heads have none)")
         self.head = head
         self.num_steps = num_steps
         self.step_weights = [step_weight**j for j in range(num_steps)]
@@ -116,8 +118,6 @@ class DraftTrainingObjective(nn.Module):
         `return_hits` adds `hits`, `[batch, width - 1, num_steps]` bool: draft step j from pair i
         (the head's draft of token i + 2 + j) equals the target's argmax there."""
         head = self.head
-        if getattr(head.output_head(), "bias", None) is not None:
-            raise ValueError("training a head whose lm_head has a bias is not supported (Llama-style lm_heads have none)")
         batch, width = input_ids.shape
         pairs = width - 1  # pair i = (f[i], t[i+1]) for i < width - 1
         device = input_ids.device
