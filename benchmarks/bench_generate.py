@@ -4,7 +4,7 @@
     python benchmarks/bench_generate.py --sets humaneval:8 --batch-sizes 1
     python benchmarks/bench_generate.py --memory              # KV blocks vs tokens held, peak RSS
 
-The speed runs are `hf-specdec bench --method ngram --plain-onednn` (`hf_specdec/bench/`) over
+The speed runs are `hf-specdec bench --method ngram --plain-fast-linears` (`hf_specdec/bench/`) over
 several prompt sets and batch sizes: arms interleaved per batch in alternating order; median
 tokens/s, ratio to plain and to plain with the oneDNN CPU linears ours uses (speculation's own
 share of the gain, see `hf_specdec/cpu_linear.py`), TTFT / TPOT, tau, acceptance per position, token identity with plain greedy (each
@@ -34,7 +34,7 @@ def run_set(model, tokenizer, name: str, limit: int, batch_size: int, args) -> d
         extra["disable_by_batch_size"] = 1
     settings = BenchSettings(
         method="ngram", k=args.k, batch_size=batch_size, max_new_tokens=args.max_new_tokens, extra_config=extra,
-        plain_onednn=not args.no_plain_onednn,
+        plain_fast_linears=not args.no_plain_fast_linears,
     )
     results = run_benchmark(model, tokenizer, load_prompts(name, tokenizer, limit=limit), settings)
     print(format_table(results), flush=True)
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-match", action="store_true", help="ngram arm drafts nothing (measures overhead)")
-    parser.add_argument("--no-plain-onednn", action="store_true", help="skip the plain + oneDNN linears arm")
+    parser.add_argument("--no-plain-fast-linears", action="store_true", help="skip the plain + fast CPU linears arm")
     parser.add_argument("--memory", action="store_true", help="KV usage and peak RSS on a mixed-length batch")
     parser.add_argument("--memory-child", choices=["plain", "ngram"], help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/bench_generate.json")

@@ -8,7 +8,7 @@ or, without patching: `model.generate(**inputs, custom_generate=hf_specdec.gener
 """
 
 from .config import SpeculativeConfig
-from .cpu_linear import onednn_linears
+from .cpu_linear import fast_cpu_linears
 from .decoding import SpeculativeGenerateOutput, generate
 from .eagle_heads import EagleHead, load_eagle_head
 from .integration import disable, enable
@@ -24,8 +24,8 @@ __all__ = [
     "SpeculativeGenerateOutput",
     "disable",
     "enable",
+    "fast_cpu_linears",
     "generate",
     "load_eagle_head",
-    "onednn_linears",
 ]
 __version__ = "0.1.0"

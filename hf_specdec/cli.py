@@ -63,12 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--cpu-linear-backend",
         choices=CPU_LINEAR_BACKENDS,
-        help="speculative_config.cpu_linear_backend of ours (default auto: oneDNN on CPU fp32)",
+        help="speculative_config.cpu_linear_backend of ours (default auto: numba on CPU fp32)",
     )
     bench.add_argument(
-        "--plain-onednn",
+        "--plain-fast-linears",
         action="store_true",
-        help="also time plain generate() with the oneDNN CPU linears ours uses (speculation's own share)",
+        help="also time plain generate() with the fast CPU linears ours uses (speculation's own share)",
     )
     bench.add_argument("--out", help="write the results as JSON here")
     bench.add_argument("--png", help="write speedup vs k (measured and predicted) here")
@@ -125,7 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
         draft=args.draft,
         early_exit_layer=args.early_exit_layer,
         extra_config=extra,
-        plain_onednn=args.plain_onednn,
+        plain_fast_linears=args.plain_fast_linears,
     )
     settings.speculative_config(settings.k)  # a bad setting fails now, not after loading the model
     if args.batch_size < 1 or (args.num_prompts is not None and args.num_prompts < 1):

@@ -18,7 +18,7 @@ METHODS_NEEDING_MODEL = ("eagle", "eagle3", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 AUTO = "auto"
 DEFAULT_MAX_AUTO_TOKENS = 8
-CPU_LINEAR_BACKENDS = ("auto", "onednn", "torch")
+CPU_LINEAR_BACKENDS = ("auto", "numba", "onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ class SpeculativeConfig:
             target's first N layers; 1..num_hidden_layers-1, the upper bound checked against the model.
         max_speculative_tokens: the largest k "auto" may pick (1..32, default 8); only with "auto".
         cpu_linear_backend: how the target's and drafter's fp32 CPU linears run while speculating:
-            "auto" (default: oneDNN where torch has it), "onednn" (an error where it does not) or
-            "torch" (torch's default BLAS). No effect on GPU or other dtypes; see `cpu_linear.py`.
+            "auto" (default: "numba"), "numba" (few-row inputs in our numba kernel, more through
+            oneDNN), "onednn" (an error where torch has none) or "torch" (torch's default BLAS). No effect on GPU or other dtypes; see `cpu_linear.py`.
     """
 
     method: str = "ngram"

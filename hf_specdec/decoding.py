@@ -26,7 +26,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .auto_k import AutoKController
 from .config import SpeculativeConfig
-from .cpu_linear import onednn_linears, resolve_backend
+from .cpu_linear import fast_cpu_linears, resolve_backend
 from .feature_capture import TargetFeatureCapture, capture_for_proposer
 from .logits_processing import StopChecker, check_supported_processors, process_logits
 from .metadata import SpecDecodeMetadata
@@ -127,12 +127,11 @@ def generate(
     if streamer is not None and speculative_streamer is not None:
         streamer.put(input_ids.cpu())
     started = time.perf_counter()
-    # verify forwards carry k+1 tokens per row: see cpu_linear.py for why they go through oneDNN
+    # verify forwards carry k+1 tokens per row: see cpu_linear.py for why they skip torch's BLAS
     networks = [model, *(part for part in vars(proposer).values() if isinstance(part, torch.nn.Module))]
+    linear_backend = resolve_backend(config.cpu_linear_backend, networks)
     fast_linears = (
-        onednn_linears(*networks)
-        if resolve_backend(config.cpu_linear_backend, networks) == "onednn"
-        else contextlib.nullcontext()
+        fast_cpu_linears(*networks, backend=linear_backend) if linear_backend != "torch" else contextlib.nullcontext()
     )
     # drafters that read the target's hidden states (EAGLE) get them from hooks on these forwards
     with torch.no_grad(), use_paged_attention(model), fast_linears, capture_for_proposer(model, proposer) as features:

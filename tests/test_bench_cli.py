@@ -83,16 +83,16 @@ def test_bench_batched_layer_skip_has_no_transformers_arm(model_folder, prompts_
     out = tmp_path / "results.json"
     status = cli.main(
         bench_args(model_folder, prompts_file, "--method", "layer_skip", "--early-exit-layer", "1",
-                   "--k", "2", "--batch-size", "2", "--num-prompts", "3", "--out", str(out), "--plain-onednn")
+                   "--k", "2", "--batch-size", "2", "--num-prompts", "3", "--out", str(out), "--plain-fast-linears")
     )  # fmt: skip
     assert status == 0
     results = json.loads(out.read_text())
     # transformers' assisted generation is batch size 1 only
-    assert list(results["arms"]) == ["plain", "plain_onednn", "ours"]
+    assert list(results["arms"]) == ["plain", "plain_fast_linears", "ours"]
     assert "sweep" not in results
-    for name in ("plain_onednn", "ours"):
+    for name in ("plain_fast_linears", "ours"):
         assert results["arms"][name]["identical_fraction"] == 1.0
-        assert results["arms"][name]["ratio_vs_plain_onednn"] > 0
+        assert results["arms"][name]["ratio_vs_plain_fast_linears"] > 0
     assert results["arms"]["ours"]["k_chosen_counts"][2] > 0
 
 

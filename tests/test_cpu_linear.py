@@ -1,15 +1,19 @@
-"""The oneDNN route for fp32 CPU linears (`cpu_linear.py`): same numbers, restored afterwards,
-used by speculative generate unless turned off, and clear errors for bad settings."""
+"""The fast routes for fp32 CPU linears (`cpu_linear.py`): the numba small-batch kernel and oneDNN
+give F.linear's numbers, are restored afterwards, are used by speculative generate unless turned
+off, and bad settings get clear errors."""
 
 from __future__ import annotations
 
+import numba
 import pytest
 import torch
 from conftest import PAD_TOKEN_ID, build_tiny_llama
 
 import hf_specdec
 from hf_specdec import cpu_linear
-from hf_specdec.cpu_linear import onednn_available, onednn_linears, resolve_backend
+from hf_specdec.cpu_linear import SMALL_BATCH_ROWS, fast_cpu_linears, onednn_available, resolve_backend
+
+BACKENDS = ["numba", "onednn"]
 
 
 def _patched(model: torch.nn.Module) -> list[str]:
@@ -21,29 +25,85 @@ def test_this_torch_has_onednn():
     assert onednn_available()
 
 
-def test_same_logits_inside_and_outside_and_restored(tiny_llama):
-    ids = torch.randint(3, 128, (3, 17))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 2, 3, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 40])
+def test_numba_linear_matches_float64(rows, bias):
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(96, 200, bias=bias)
+    x = torch.randn(rows, 96)
+    expected = torch.nn.functional.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    with torch.no_grad(), fast_cpu_linears(layer, backend="numba"):
+        got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 200)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_numba_linear_keeps_leading_dims_and_takes_strided_input():
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(2, 3, 128)[..., ::2]  # [1, 2, 3 tokens] style input, not contiguous
+    with torch.no_grad(), fast_cpu_linears(layer):
+        got = layer(x)
+    assert got.shape == (2, 3, 32)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_numba_row_does_not_depend_on_the_other_rows():
+    # the kernel sums each (row, output) the same way whatever the batch: bit-identical rows
+    layer = torch.nn.Linear(576, 300, bias=False)
+    x = torch.randn(SMALL_BATCH_ROWS, 576)
+    with torch.no_grad(), fast_cpu_linears(layer):
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+        together = layer(x)
+    assert torch.equal(alone, together)
+
+
+def test_numba_linear_propagates_nan_and_inf():
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(3, 16)
+    x[1, 4] = float("nan")
+    x[2, 0] = float("inf")
+    with torch.no_grad(), fast_cpu_linears(layer):
+        got = layer(x)
+    assert torch.isfinite(got[0]).all() and torch.isnan(got[1]).all() and not torch.isfinite(got[2]).any()
+
+
+def test_numba_threads_follow_torch_and_come_back():
+    layer = torch.nn.Linear(8, 8)
+    before = numba.get_num_threads()
+    seen = []
+    layer.register_forward_pre_hook(lambda module, args: seen.append(numba.get_num_threads()))
+    with torch.no_grad(), fast_cpu_linears(layer):
+        layer(torch.randn(1, 8))
+    assert seen == [min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)]
+    assert numba.get_num_threads() == before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_logits_inside_and_outside_and_restored(tiny_llama, backend):
     with torch.no_grad():
-        expected = tiny_llama(ids).logits
-        with onednn_linears(tiny_llama):
-            linears = sum(isinstance(m, torch.nn.Linear) for m in tiny_llama.modules())
-            assert len(_patched(tiny_llama)) == linears > 0
-            got = tiny_llama(ids).logits
+        for shape in ((1, 1), (1, 5), (3, 17)):  # numba's rows, and more than SMALL_BATCH_ROWS
+            ids = torch.randint(3, 128, shape)
+            expected = tiny_llama(ids).logits
+            with fast_cpu_linears(tiny_llama, backend=backend):
+                linears = sum(isinstance(m, torch.nn.Linear) for m in tiny_llama.modules())
+                assert len(_patched(tiny_llama)) == linears > 0
+                got = tiny_llama(ids).logits
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert _patched(tiny_llama) == []
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_gradients_fall_back_to_torch(tiny_llama):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_fall_back_to_torch(tiny_llama, backend):
     layer = tiny_llama.model.layers[0].mlp.up_proj
-    x = torch.randn(2, 5, layer.in_features, requires_grad=True)
-    with onednn_linears(layer):
-        layer(x).sum().backward()  # the oneDNN op has no autograd: F.linear runs instead
+    x = torch.randn(1, 2, layer.in_features, requires_grad=True)
+    with fast_cpu_linears(layer, backend=backend):
+        layer(x).sum().backward()  # neither route has autograd: F.linear runs instead
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 def test_other_dtypes_and_linear_subclasses_are_left_alone():
     model = build_tiny_llama().to(torch.bfloat16)
-    with onednn_linears(model):
+    with fast_cpu_linears(model):
         assert _patched(model) == []
     assert resolve_backend("auto", [model]) == "torch"
 
@@ -52,21 +112,21 @@ def test_other_dtypes_and_linear_subclasses_are_left_alone():
             return 2 * super().forward(x)
 
     scaled = ScaledLinear(4, 4)
-    with onednn_linears(scaled):
+    with fast_cpu_linears(scaled):
         assert "forward" not in scaled.__dict__
 
 
-@pytest.mark.parametrize("backend", ["auto", "onednn", "torch"])
+@pytest.mark.parametrize("backend", ["auto", "numba", "onednn", "torch"])
 def test_generate_identical_with_every_backend(enabled_llama, backend):
     ids = torch.randint(3, 40, (2, 12))
     ids[:, 6:] = ids[:, :6]  # a repeated span, so n-gram drafts get accepted
-    seen_patched = []
+    seen_forward = []
     hook = enabled_llama.lm_head.register_forward_pre_hook(
-        lambda module, args: seen_patched.append("forward" in module.__dict__)
+        lambda module, args: seen_forward.append(module.__dict__.get("forward"))
     )
     try:
         plain = enabled_llama.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=PAD_TOKEN_ID)
-        seen_patched.clear()
+        seen_forward.clear()
         out = enabled_llama.generate(
             ids, max_new_tokens=24, do_sample=False, pad_token_id=PAD_TOKEN_ID, return_dict_in_generate=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 3, "cpu_linear_backend": backend},
@@ -75,17 +135,26 @@ def test_generate_identical_with_every_backend(enabled_llama, backend):
         hook.remove()
     assert torch.equal(out.sequences, plain)
     assert out.spec_metrics["num_accepted_tokens"] > 0
-    assert set(seen_patched) == {backend != "torch"}
+    expected = {"auto": "_numba_forward", "numba": "_numba_forward", "onednn": "_onednn_forward", "torch": None}
+    assert {f and f.__func__.__name__ for f in seen_forward} == {expected[backend]}
     assert _patched(enabled_llama) == []
 
 
 def test_bad_backend_names_the_field():
-    with pytest.raises(ValueError, match=r"cpu_linear_backend='mkl' is unknown; allowed: auto, onednn, torch"):
+    with pytest.raises(ValueError, match=r"cpu_linear_backend='mkl' is unknown; allowed: auto, numba, onednn, torch"):
         hf_specdec.SpeculativeConfig(cpu_linear_backend="mkl")
+    with pytest.raises(ValueError, match=r"backend='torch' is unknown; allowed: numba, onednn"):
+        with fast_cpu_linears(torch.nn.Linear(2, 2), backend="torch"):
+            pass
 
 
 def test_onednn_demanded_where_missing(monkeypatch, tiny_llama):
     monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
-    with pytest.raises(ValueError, match="cpu_linear_backend='onednn'.*allowed here: 'auto' or 'torch'"):
+    with pytest.raises(ValueError, match="cpu_linear_backend='onednn'.*allowed here: 'auto', 'numba' or 'torch'"):
         resolve_backend("onednn", [tiny_llama])
-    assert resolve_backend("auto", [tiny_llama]) == "torch"
+    assert resolve_backend("auto", [tiny_llama]) == "numba"
+    ids = torch.randint(3, 128, (3, 17))  # more rows than the numba kernel takes: F.linear without oneDNN
+    with torch.no_grad():
+        expected = tiny_llama(ids).logits
+        with fast_cpu_linears(tiny_llama):
+            torch.testing.assert_close(tiny_llama(ids).logits, expected, rtol=1e-5, atol=1e-5)

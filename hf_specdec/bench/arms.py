@@ -1,9 +1,9 @@
 """The arms of a benchmark: what each passes to `model.generate()`.
 
 - "plain": transformers' greedy `generate()`;
-- "plain_onednn" (`plain_onednn=True`): the same inside `onednn_linears(model)`, the fp32 CPU GEMM
-  our loop uses (`cpu_linear.py`): ours against it is the part of the speedup that speculation
-  alone brings;
+- "plain_fast_linears" (`plain_fast_linears=True`): the same inside `fast_cpu_linears(model)` with
+  the fp32 CPU linear backend ours uses (`cpu_linear.py`): ours against it is the part of the
+  speedup that speculation alone brings;
 - "transformers": transformers' own speculation for the method, where it has one (batch size 1
   only: its assisted generation refuses larger batches): prompt lookup for ngram, an assistant
   model for draft_model, `assistant_early_exit` for layer_skip, `use_mtp` for mtp;
@@ -19,6 +19,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from ..config import SpeculativeConfig
+from ..cpu_linear import resolve_backend
 from ..proposers.draft_model import load_draft_model
 
 
@@ -35,7 +36,7 @@ class BenchSettings:
         draft: `speculative_config.model` (draft model / EAGLE head: folder, Hub id or loaded).
         early_exit_layer: layer_skip's N.
         extra_config: more speculative_config keys, for every arm of ours (prompt_lookup_min, ...).
-        plain_onednn: add the "plain_onednn" arm.
+        plain_fast_linears: add the "plain_fast_linears" arm.
     """
 
     method: str = "ngram"
@@ -46,7 +47,7 @@ class BenchSettings:
     draft: Any = None
     early_exit_layer: int | None = None
     extra_config: dict = field(default_factory=dict)
-    plain_onednn: bool = False
+    plain_fast_linears: bool = False
 
     def speculative_config(self, k: int | str) -> SpeculativeConfig:
         """Our config at `k` (validated: a bad setting fails before any run)."""
@@ -66,20 +67,21 @@ class BenchSettings:
 @dataclass
 class Arm:
     """One way of generating: a name, the generate() keyword arguments, our k (None: not ours), and
-    whether generate() runs inside `onednn_linears(model)`."""
+    the `fast_cpu_linears(model, backend=...)` generate() runs inside (None: none)."""
 
     name: str
     generate_kwargs: dict
     k: int | str | None = None
-    onednn_linears: bool = False
+    cpu_linear_backend: str | None = None
 
 
 def build_arms(settings: BenchSettings, model: PreTrainedModel) -> list[Arm]:
-    """plain, plain_onednn (if asked), transformers' own (batch size 1, where it exists), ours, then the sweep's other ks."""
+    """plain, plain_fast_linears (if asked), transformers' own (batch size 1, where it exists), ours, then the sweep's other ks."""
     ours = settings.speculative_config(settings.k)
     arms = [Arm("plain", {})]
-    if settings.plain_onednn:
-        arms.append(Arm("plain_onednn", {}, onednn_linears=True))
+    if settings.plain_fast_linears:
+        backend = resolve_backend(ours.cpu_linear_backend, [model])
+        arms.append(Arm("plain_fast_linears", {}, cpu_linear_backend=None if backend == "torch" else backend))
     own = transformers_option(ours, model) if settings.batch_size == 1 else None
     if own is not None:
         arms.append(Arm("transformers", own))

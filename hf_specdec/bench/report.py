@@ -15,7 +15,7 @@ COLUMNS = (
     ("TPOT ms", "tpot_s", "{:.2f}"),
     ("tok/s", "tokens_per_s", "{:.1f}"),
     ("x plain", "ratio_vs_plain", "{:.2f}"),
-    ("x plain_onednn", "ratio_vs_plain_onednn", "{:.2f}"),
+    ("x plain_fast_linears", "ratio_vs_plain_fast_linears", "{:.2f}"),
     ("tau", "tau", "{:.2f}"),
     ("alpha", "alpha", "{:.2f}"),
     ("c", "c", "{:.3f}"),

@@ -10,7 +10,7 @@ differ, see the README's exactness section).
 
 Per arm: median TTFT, median TPOT ((total - TTFT) / (new tokens of the longest row - 1)),
 median tokens/s (every row's new tokens up to EOS), the median over batches of the tokens/s
-ratio to plain (and to plain_onednn when that arm runs), the share of rows token-identical to plain; for ours also tau, alpha (the
+ratio to plain (and to plain_fast_linears when that arm runs), the share of rows token-identical to plain; for ours also tau, alpha (the
 conditional acceptance, `SpecDecodeMetrics.conditional_acceptance_rate`), acceptance per
 position, the k chosen and the measured c:
 
@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..auto_k import predicted_speedup
-from ..cpu_linear import onednn_linears
+from ..cpu_linear import fast_cpu_linears
 from ..metrics import SpecDecodeMetrics
 from .arms import Arm, BenchSettings, build_arms, sweep_arm_names
 
@@ -123,7 +123,8 @@ def _run_arm(model, inputs, arm: Arm, max_new_tokens: int, tokenizer, runs: ArmR
 
 
 def _generate(model, arm: Arm, kwargs: dict, max_new_tokens: int):
-    with onednn_linears(model) if arm.onednn_linears else contextlib.nullcontext():
+    backend = arm.cpu_linear_backend
+    with fast_cpu_linears(model, backend=backend) if backend else contextlib.nullcontext():
         return model.generate(**kwargs, max_new_tokens=max_new_tokens)
 
 
@@ -188,7 +189,7 @@ def summarize(runs: dict[str, ArmRuns], settings: BenchSettings, num_prompts: in
     """Per-arm statistics, and the sweep against the closed form."""
     plain = runs["plain"]
     plain_rates, plain_step = plain.tokens_per_s(), plain.decode_step_s()
-    onednn_rates = runs["plain_onednn"].tokens_per_s() if "plain_onednn" in runs else None
+    fast_rates = runs["plain_fast_linears"].tokens_per_s() if "plain_fast_linears" in runs else None
     arms = {}
     for name, arm_runs in runs.items():
         rates = arm_runs.tokens_per_s()
@@ -206,8 +207,8 @@ def summarize(runs: dict[str, ArmRuns], settings: BenchSettings, num_prompts: in
             "identical_fraction": arm_runs.identical / arm_runs.rows if arm_runs.rows else 1.0,
             "divergences": arm_runs.divergences,
         }
-        if onednn_rates is not None:
-            summary["ratio_vs_plain_onednn"] = statistics.median(r / p for r, p in zip(rates, onednn_rates))
+        if fast_rates is not None:
+            summary["ratio_vs_plain_fast_linears"] = statistics.median(r / p for r, p in zip(rates, fast_rates))
         if arm_runs.arm.k is not None:
             summary.update(_speculation_summary(arm_runs, plain_step))
         arms[name] = summary
