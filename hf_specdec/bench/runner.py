@@ -10,14 +10,16 @@ differ, see the README's exactness section).
 
 Per arm: median TTFT, median TPOT ((total - TTFT) / (new tokens of the longest row - 1)),
 median tokens/s (every row's new tokens up to EOS), the median over batches of the tokens/s
-ratio to plain (and to plain_fast_linears when that arm runs), the share of rows token-identical to plain; for ours also tau, alpha (the
-conditional acceptance, `SpecDecodeMetrics.conditional_acceptance_rate`), acceptance per
-position, the k chosen and the measured c:
+ratio to plain (and to plain_fast_linears when that arm runs), the share of rows token-identical
+to plain; for ours also tau, alpha (the conditional acceptance,
+`SpecDecodeMetrics.conditional_acceptance_rate`), acceptance per position, the k chosen and the
+measured c:
 
     c = (ours' time per decode step / plain's time per decode step - 1) / drafts per row-step
 
 a decode step's time being (total - TTFT) / (forwards - 1): the draft + verify + sampling of a
-step against plain's one-token step, the quantity the closed form and `auto_k` use. (Rows leave
+step against plain's one-token step (plain_fast_linears' when that arm runs, so that both sides
+use the same GEMM), the quantity the closed form and `auto_k` use. (Rows leave
 our batch as they finish, plain's stay to the end: at batch > 1, c is an average over sizes.)
 """
 
@@ -188,8 +190,10 @@ def top2_gap(model: PreTrainedModel, prompt: torch.Tensor, generated: list[int])
 def summarize(runs: dict[str, ArmRuns], settings: BenchSettings, num_prompts: int) -> dict:
     """Per-arm statistics, and the sweep against the closed form."""
     plain = runs["plain"]
-    plain_rates, plain_step = plain.tokens_per_s(), plain.decode_step_s()
-    fast_rates = runs["plain_fast_linears"].tokens_per_s() if "plain_fast_linears" in runs else None
+    fast = runs.get("plain_fast_linears")
+    plain_rates, fast_rates = plain.tokens_per_s(), fast.tokens_per_s() if fast else None
+    # c compares ours' step with a plain step on the same GEMM route, where that arm ran
+    plain_step = (fast or plain).decode_step_s()
     arms = {}
     for name, arm_runs in runs.items():
         rates = arm_runs.tokens_per_s()
