@@ -16,6 +16,7 @@ COLUMNS = (
     ("tok/s", "tokens_per_s", "{:.1f}"),
     ("x plain", "ratio_vs_plain", "{:.2f}"),
     ("x plain_fast_linears", "ratio_vs_plain_fast_linears", "{:.2f}"),
+    ("weights GB/s", "weights_gb_per_s", "{:.1f}"),
     ("tau", "tau", "{:.2f}"),
     ("alpha", "alpha", "{:.2f}"),
     ("c", "c", "{:.3f}"),

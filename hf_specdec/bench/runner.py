@@ -11,9 +11,9 @@ differ, see the README's exactness section).
 Per arm: median TTFT, median TPOT ((total - TTFT) / (new tokens of the longest row - 1)),
 median tokens/s (every row's new tokens up to EOS), the median over batches of the tokens/s
 ratio to plain (and to plain_fast_linears when that arm runs), the share of rows token-identical
-to plain; for ours also tau, alpha (the conditional acceptance,
-`SpecDecodeMetrics.conditional_acceptance_rate`), acceptance per position, the k chosen and the
-measured c:
+to plain, the effective bandwidth (target weight bytes x target forwards per second); for ours
+also tau, alpha (the conditional acceptance, `SpecDecodeMetrics.conditional_acceptance_rate`),
+acceptance per position, the k chosen and the measured c:
 
     c = (ours' time per decode step / plain's time per decode step - 1) / drafts per row-step
 
@@ -102,7 +102,8 @@ def run_benchmark(
         bar.set_postfix(
             ours_vs_plain=f"{runs['ours'].tokens_per_s()[-1] / runs['plain'].tokens_per_s()[-1]:.2f}x"
         )
-    return summarize(runs, settings, num_prompts=len(prompts))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return summarize(runs, settings, num_prompts=len(prompts), weight_bytes=weight_bytes)
 
 
 def _run_arm(model, inputs, arm: Arm, max_new_tokens: int, tokenizer, runs: ArmRuns) -> torch.Tensor:
@@ -187,8 +188,14 @@ def top2_gap(model: PreTrainedModel, prompt: torch.Tensor, generated: list[int])
     return float(top2[0] - top2[1])
 
 
-def summarize(runs: dict[str, ArmRuns], settings: BenchSettings, num_prompts: int) -> dict:
-    """Per-arm statistics, and the sweep against the closed form."""
+def summarize(
+    runs: dict[str, ArmRuns], settings: BenchSettings, num_prompts: int, weight_bytes: int | None = None
+) -> dict:
+    """Per-arm statistics, and the sweep against the closed form.
+
+    `weight_bytes` (the target's parameters): each arm's effective bandwidth, weight bytes x target
+    forwards per second, what a decode step is bound by (seed §12.5).
+    """
     plain = runs["plain"]
     fast = runs.get("plain_fast_linears")
     plain_rates, fast_rates = plain.tokens_per_s(), fast.tokens_per_s() if fast else None
@@ -211,6 +218,10 @@ def summarize(runs: dict[str, ArmRuns], settings: BenchSettings, num_prompts: in
             "identical_fraction": arm_runs.identical / arm_runs.rows if arm_runs.rows else 1.0,
             "divergences": arm_runs.divergences,
         }
+        if weight_bytes:
+            summary["weights_gb_per_s"] = weight_bytes * statistics.median(
+                f / s for f, s in zip(arm_runs.forwards, arm_runs.seconds)
+            ) / 1e9
         if fast_rates is not None:
             summary["ratio_vs_plain_fast_linears"] = statistics.median(r / p for r, p in zip(rates, fast_rates))
         if arm_runs.arm.k is not None:
@@ -219,6 +230,7 @@ def summarize(runs: dict[str, ArmRuns], settings: BenchSettings, num_prompts: in
     results = {
         "settings": settings.to_dict(),
         "num_prompts": num_prompts,
+        "target_weight_bytes": weight_bytes,
         "arms": arms,
     }
     if settings.sweep_ks:
