@@ -44,6 +44,8 @@ def _small_batch_linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out
     Output features are split across threads; each weight row is read from memory once and reused
     for every input row from cache. `reassoc` lets LLVM vectorise the dot product (a fixed
     summation order, the same for every row); no other fast-math flag, so inf / nan propagate.
+    Not `nogil`: holding the GIL keeps generate() calls in several Python threads from launching
+    it at once, which numba's fallback threading layer (workqueue) does not survive.
     """
     num_rows, in_features = x.shape
     for n in numba.prange(weight.shape[0]):

@@ -4,6 +4,8 @@ off, and bad settings get clear errors."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numba
 import pytest
 import torch
@@ -65,6 +67,16 @@ def test_numba_linear_propagates_nan_and_inf():
     with torch.no_grad(), fast_cpu_linears(layer):
         got = layer(x)
     assert torch.isfinite(got[0]).all() and torch.isnan(got[1]).all() and not torch.isfinite(got[2]).any()
+
+
+def test_numba_linear_from_several_threads_at_once():
+    layer = torch.nn.Linear(256, 512)
+    inputs = [torch.randn(3, 256) for _ in range(8)]
+    expected = [torch.nn.functional.linear(x, layer.weight, layer.bias) for x in inputs]
+    with torch.no_grad(), fast_cpu_linears(layer), ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda x: [layer(x) for _ in range(20)][-1], inputs))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
 def test_numba_threads_follow_torch_and_come_back():
