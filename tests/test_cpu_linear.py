@@ -40,6 +40,25 @@ def test_numba_linear_matches_float64(rows, bias):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_numba_backend_routes_by_row_count(monkeypatch):
+    # the kernel must really run up to SMALL_BATCH_ROWS rows (a fallback would pass the value tests)
+    kernel_rows = []
+    kernel = cpu_linear._small_batch_linear
+
+    def counting(x, weight, bias, out):
+        kernel_rows.append(x.shape[0])
+        kernel(x, weight, bias, out)
+
+    monkeypatch.setattr(cpu_linear, "_small_batch_linear", counting)
+    layer = torch.nn.Linear(32, 16)
+    with torch.no_grad(), fast_cpu_linears(layer):
+        for rows in (1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1):
+            layer(torch.randn(1, rows, 32))
+    with fast_cpu_linears(layer):  # grad enabled: F.linear
+        layer(torch.randn(2, 32))
+    assert kernel_rows == [1, SMALL_BATCH_ROWS]
+
+
 def test_numba_linear_keeps_leading_dims_and_takes_strided_input():
     layer = torch.nn.Linear(64, 32)
     x = torch.randn(2, 3, 128)[..., ::2]  # [1, 2, 3 tokens] style input, not contiguous
