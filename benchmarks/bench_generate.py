@@ -6,7 +6,7 @@
 
 The speed runs are `hf-specdec bench --method ngram --plain-fast-linears` (`hf_specdec/bench/`) over
 several prompt sets and batch sizes: arms interleaved per batch in alternating order; median
-tokens/s, ratio to plain and to plain with the oneDNN CPU linears ours uses (speculation's own
+tokens/s, ratio to plain and to plain with the fast CPU linears ours uses (speculation's own
 share of the gain, see `hf_specdec/cpu_linear.py`), TTFT / TPOT, tau, acceptance per position, token identity with plain greedy (each
 divergence with its top-2 logit gap). `--memory` measures the KV cache and peak RSS on a
 mixed-length batch, one fresh process per arm.
