@@ -172,6 +172,38 @@ def test_head_cache_rollback_and_feature_consumption(tiny_llama, method):
     assert speculative.cache.num_blocks_used == 0
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_rows_not_drafting_defer_the_head(tiny_llama, method, monkeypatch):
+    """k = 0 calls (one new feature each, as a plain decode step gives) run no head forward: the
+    features wait, and the first call that drafts feeds them all at once, with the drafts of a
+    head fed every step. Past MAX_UNFED_POSITIONS a row feeds them even without drafting."""
+    from hf_specdec.proposers import eagle
+
+    model = tiny_llama
+    head = random_head(model, method)
+    tokens = [5, 9, 14, 5, 9, 14, 7, 22, 31, 40, 5, 9]
+    features = _features(model, method, head, tokens)
+    n, first, k = len(tokens), 3, 2
+
+    def quiet_then_draft(proposer):
+        proposer.propose(_request(tokens[:first], features[: first - 1], 0))
+        fed = []
+        for length in range(first + 1, n):  # one decode step per token, none drafting
+            assert proposer.propose(_request(tokens[:length], features[length - 2 : length - 1], 0)).num_draft_tokens == [0]
+            fed.append(proposer.cache.seq_lens.get(0, 0) if proposer.cache is not None else 0)
+        return fed, proposer.propose(_request(tokens, features[n - 2 : n - 1], k)).draft_token_ids[0]
+
+    with torch.no_grad():
+        direct = EagleProposer(head, model, k, max_length=64).propose(_request(tokens, features[: n - 1], k))
+        fed, deferred = quiet_then_draft(EagleProposer(head, model, k, max_length=64))
+        monkeypatch.setattr(eagle, "MAX_UNFED_POSITIONS", 4)
+        capped_fed, capped = quiet_then_draft(EagleProposer(head, model, k, max_length=64))
+    assert fed == [0] * len(fed)  # no head forward while not drafting
+    assert max(capped_fed) > 0 and all(n_fed % 4 == 0 for n_fed in capped_fed)  # fed in backlogs of 4
+    np.testing.assert_array_equal(deferred, direct.draft_token_ids[0])
+    np.testing.assert_array_equal(capped, direct.draft_token_ids[0])
+
+
 def test_no_features_no_drafts(tiny_llama):
     """The prefill step: the loop has no features yet, so the drafter drafts nothing."""
     proposer = EagleProposer(random_head(tiny_llama, "eagle"), tiny_llama, 3, max_length=32)
