@@ -55,8 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--k", type=_k, default=5, help="num_speculative_tokens of ours: an integer or 'auto'")
     bench.add_argument("--max-speculative-tokens", type=int, help="with --k auto: the largest k (default 8)")
     bench.add_argument("--max-new-tokens", type=int, default=256)
-    bench.add_argument("--prompt-lookup-min", type=int, help="ngram: shortest n-gram")
-    bench.add_argument("--prompt-lookup-max", type=int, help="ngram: longest n-gram")
+    bench.add_argument("--prompt-lookup-min", type=int, help="shortest n-gram (other methods: an n-gram stage first)")
+    bench.add_argument("--prompt-lookup-max", type=int, help="longest n-gram (other methods: an n-gram stage first)")
+    bench.add_argument("--prompt-lookup-num-tokens", type=int, help="drafts per match of that n-gram stage")
     bench.add_argument(
         "--ks", type=_ks, help="k sweep for the PNG, e.g. 1,2,4,8 (default with --png: 1,2,4,8)"
     )
@@ -111,6 +112,7 @@ def _bench(args: argparse.Namespace) -> int:
         for key, value in (
             ("prompt_lookup_min", args.prompt_lookup_min),
             ("prompt_lookup_max", args.prompt_lookup_max),
+            ("prompt_lookup_num_tokens", args.prompt_lookup_num_tokens),
             ("max_speculative_tokens", args.max_speculative_tokens),
             ("cpu_linear_backend", args.cpu_linear_backend),
         )

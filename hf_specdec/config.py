@@ -2,7 +2,8 @@
 
 Keys follow vLLM's `--speculative-config` (method, model, num_speculative_tokens,
 prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) plus a few of our own
-(seed, block_size, num_kv_blocks, early_exit_layer, max_speculative_tokens, cpu_linear_backend).
+(prompt_lookup_num_tokens, seed, block_size, num_kv_blocks, early_exit_layer,
+max_speculative_tokens, cpu_linear_backend).
 Every invalid value raises `ValueError` naming the field and what is allowed.
 """
 
@@ -31,9 +32,14 @@ class SpeculativeConfig:
         num_speculative_tokens: k, draft tokens proposed per row and step (1..32), or "auto": each
             step picks k in 0..max_speculative_tokens from the measured acceptance and step costs
             (`auto_k.py`; 0 decodes without drafting).
-        prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (ngram only).
-            As in vLLM a missing one takes the other's value; when neither is given they are 1 and
-            4 (vLLM uses 5 and 5: a wrong draft costs little here, so short n-grams pay).
+        prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first. As in vLLM a
+            missing one takes the other's value; for "ngram", when neither is given they are 1 and
+            4 (vLLM uses 5 and 5: a wrong draft costs little here, so short n-grams pay). With any
+            other method, giving either puts an n-gram lookup first: rows whose context has a match
+            take its drafts, the others get the method's drafter (`proposers/ngram_first.py`).
+        prompt_lookup_num_tokens: with that n-gram stage, drafts per match (1..32; default
+            num_speculative_tokens), so a head can draft k=1 while matches run longer. Not with
+            "auto", where both take the step's k.
         disable_by_batch_size: stop drafting while this many rows or more are still generating.
         seed: seeds the per-row random generators of the rejection sampler; None draws the seed
             from torch's global generator, so `torch.manual_seed` makes runs reproducible.
@@ -53,6 +59,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int | str = 5
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    prompt_lookup_num_tokens: int | None = None
     disable_by_batch_size: int | None = None
     seed: int | None = None
     block_size: int = 16
@@ -70,27 +77,9 @@ class SpeculativeConfig:
                 f"speculative_config.model is required for method={self.method!r} "
                 "(a folder, a Hub id or a loaded model)"
             )
-        if self.method == "ngram":
-            if self.model is not None:
-                raise ValueError("speculative_config.model must be None for method='ngram' (it drafts from the context)")
-            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-            _check_optional_int("prompt_lookup_min", lo, minimum=1)
-            _check_optional_int("prompt_lookup_max", hi, minimum=1)
-            if lo is None and hi is None:
-                lo, hi = 1, 4
-            lo = hi if lo is None else lo
-            hi = lo if hi is None else hi
-            if lo > hi:
-                raise ValueError(
-                    f"speculative_config.prompt_lookup_min={lo} is larger than prompt_lookup_max={hi}; "
-                    "allowed: 1 <= prompt_lookup_min <= prompt_lookup_max"
-                )
-            object.__setattr__(self, "prompt_lookup_min", lo)
-            object.__setattr__(self, "prompt_lookup_max", hi)
-        else:
-            for name in ("prompt_lookup_min", "prompt_lookup_max"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"speculative_config.{name} is only used by method='ngram', not {self.method!r}")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config.model must be None for method='ngram' (it drafts from the context)")
+        self._check_prompt_lookup()
         _check_optional_int("disable_by_batch_size", self.disable_by_batch_size, minimum=1)
         _check_optional_int("seed", self.seed, minimum=0)
         _check_optional_int("block_size", self.block_size, minimum=1)
@@ -124,6 +113,45 @@ class SpeculativeConfig:
                 f"not {k!r}"
             )
 
+    def _check_prompt_lookup(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        _check_optional_int("prompt_lookup_min", lo, minimum=1)
+        _check_optional_int("prompt_lookup_max", hi, minimum=1)
+        if self.method == "ngram" and lo is None and hi is None:
+            lo, hi = 1, 4
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if lo is not None and lo > hi:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min={lo} is larger than prompt_lookup_max={hi}; "
+                "allowed: 1 <= prompt_lookup_min <= prompt_lookup_max"
+            )
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        if self.prompt_lookup_num_tokens is None:
+            return
+        if self.method == "ngram" or hi is None:
+            raise ValueError(
+                "speculative_config.prompt_lookup_num_tokens is only used with an n-gram stage before another "
+                "method (give prompt_lookup_min / prompt_lookup_max with it); method='ngram' drafts "
+                "num_speculative_tokens"
+            )
+        if self.auto_k:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_num_tokens cannot be combined with num_speculative_tokens={AUTO!r} "
+                "(both stages then draft the step's k); allowed: None"
+            )
+        if not _is_int_in(self.prompt_lookup_num_tokens, 1, MAX_SPECULATIVE_TOKENS):
+            raise ValueError(
+                f"speculative_config.prompt_lookup_num_tokens={self.prompt_lookup_num_tokens!r} is out of range; "
+                f"allowed: an integer from 1 to {MAX_SPECULATIVE_TOKENS}"
+            )
+
+    @property
+    def ngram_first(self) -> bool:
+        """Whether an n-gram lookup drafts first and the method's drafter takes the rows without a match."""
+        return self.method != "ngram" and self.prompt_lookup_max is not None
+
     @property
     def auto_k(self) -> bool:
         """Whether each step picks its own k (num_speculative_tokens="auto")."""
@@ -133,7 +161,9 @@ class SpeculativeConfig:
     def max_draft_tokens(self) -> int:
         """The most draft tokens a row gets in one step: k, or max_speculative_tokens with "auto".
         Drafters are built for this many."""
-        return self.max_speculative_tokens if self.auto_k else self.num_speculative_tokens
+        if self.auto_k:
+            return self.max_speculative_tokens
+        return max(self.num_speculative_tokens, self.prompt_lookup_num_tokens or 0)
 
     def _check_layer_skip(self) -> None:
         if self.method != "layer_skip":

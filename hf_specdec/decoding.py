@@ -128,7 +128,7 @@ def generate(
         streamer.put(input_ids.cpu())
     started = time.perf_counter()
     # verify forwards carry k+1 tokens per row: see cpu_linear.py for why they skip torch's BLAS
-    networks = [model, *(part for part in vars(proposer).values() if isinstance(part, torch.nn.Module))]
+    networks = [model, *_drafter_networks(proposer)]
     linear_backend = resolve_backend(config.cpu_linear_backend, networks)
     fast_linears = (
         fast_cpu_linears(*networks, backend=linear_backend) if linear_backend != "torch" else contextlib.nullcontext()
@@ -191,7 +191,7 @@ def speculative_step(
 
     # 1. draft: k drafts, never more than the row may still emit, minus the token the target adds
     started = clock = time.perf_counter()
-    k = config.num_speculative_tokens if k_controller is None else k_controller.next_k(len(rows))
+    k = config.max_draft_tokens if k_controller is None else k_controller.next_k(len(rows))
     if config.disable_by_batch_size is not None and len(rows) >= config.disable_by_batch_size:
         k = 0
     max_draft = np.clip(np.minimum(k, state.max_length - seq_lens - 1), 0, None)
@@ -277,6 +277,17 @@ def speculative_step(
     if k_controller is not None:
         k_controller.record_step(time.perf_counter() - started, spec.num_draft_tokens, num_accepted.tolist())
     return emitted
+
+
+def _drafter_networks(proposer) -> list[torch.nn.Module]:
+    """The modules a drafter runs, those of drafters it wraps (`NgramFirstProposer`) included."""
+    found = []
+    for part in vars(proposer).values():
+        if isinstance(part, torch.nn.Module):
+            found.append(part)
+        elif hasattr(part, "propose"):
+            found.extend(_drafter_networks(part))
+    return found
 
 
 def _offsets_within(lengths: np.ndarray) -> np.ndarray:

@@ -35,8 +35,6 @@ INVALID = [
     ({"method": "eagle3"}, "model", "eagle3"),
     ({"method": "draft_model"}, "model", "draft_model"),
     ({"method": "ngram", "model": "some/drafter"}, "model", "ngram"),
-    ({"method": "eagle", "model": "some/eagle", "prompt_lookup_min": 2}, "prompt_lookup_min", "ngram"),
-    ({"method": "mtp", "prompt_lookup_max": 2}, "prompt_lookup_max", "ngram"),
     ({"disable_by_batch_size": 0}, "disable_by_batch_size", ">= 1"),
     ({"disable_by_batch_size": 1.5}, "disable_by_batch_size", "integer"),
     ({"seed": -1}, "seed", ">= 0"),

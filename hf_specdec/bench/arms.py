@@ -104,7 +104,9 @@ def transformers_option(config: SpeculativeConfig, model: PreTrainedModel) -> di
     adaptive schedule (+2 after a fully accepted step, -1 otherwise) starts from our maximum.
     """
     schedule = "heuristic_transient" if config.auto_k else "constant"
-    candidates = {"num_assistant_tokens": config.max_draft_tokens, "num_assistant_tokens_schedule": schedule}
+    # the model drafter's own k (with an n-gram stage in front, max_draft_tokens may be the lookup's)
+    model_k = config.max_speculative_tokens if config.auto_k else config.num_speculative_tokens
+    candidates = {"num_assistant_tokens": model_k, "num_assistant_tokens_schedule": schedule}
     if config.method == "ngram":
         return {
             "prompt_lookup_num_tokens": config.max_draft_tokens,

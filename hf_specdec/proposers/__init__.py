@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..config import SpeculativeConfig
 from ..paged_cache import PagedKVCache
 from .base import DraftProposal, Proposer, ProposeRequest
@@ -9,12 +11,14 @@ from .draft_model import DraftModelProposer, check_draft_compatible, load_draft_
 from .drafting import DraftSampling
 from .layer_skip import LayerSkipProposer
 from .ngram import NgramProposer
+from .ngram_first import NgramFirstProposer
 
 __all__ = [
     "DraftModelProposer",
     "DraftProposal",
     "DraftSampling",
     "LayerSkipProposer",
+    "NgramFirstProposer",
     "NgramProposer",
     "ProposeRequest",
     "Proposer",
@@ -38,6 +42,13 @@ def build_proposer(
     """
     if config.method == "ngram":
         return NgramProposer(config.max_draft_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.ngram_first:
+        lookup = NgramProposer(
+            config.prompt_lookup_num_tokens or config.max_draft_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        alone = dataclasses.replace(config, prompt_lookup_min=None, prompt_lookup_max=None, prompt_lookup_num_tokens=None)
+        drafter = build_proposer(alone, target_model, generation_config, logits_processor, target_cache)
+        return NgramFirstProposer(lookup, drafter)
     if config.method in ("draft_model", "layer_skip"):
         sampling = DraftSampling.from_generate(generation_config, logits_processor, config)
         if config.method == "layer_skip":
