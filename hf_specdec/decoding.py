@@ -181,7 +181,7 @@ def speculative_step(
     """One draft / verify / accept step over every active row.
 
     `features` (drafters with `target_feature_layers`): hooks capturing the target's hidden states;
-    the accepted positions' ones are kept for the drafter's next call.
+    the accepted positions' ones wait in `features.pending` until the drafter takes them.
     `k_controller` (num_speculative_tokens="auto"): picks this step's k and learns from its timing.
 
     Returns, per active row: (row, emitted tokens, their raw logits, their processed logits).
@@ -200,7 +200,7 @@ def speculative_step(
             rows=rows.tolist(),
             token_ids=[state.tokens(r) for r in rows],
             max_draft_tokens=max_draft.tolist(),
-            target_features=None if features is None else features.take(rows.tolist()),
+            target_features=None if features is None else features.pending,
         )
     )
     spec = SpecDecodeMetadata.from_drafts(proposal.draft_token_ids, device=model.device)

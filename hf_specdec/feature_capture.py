@@ -6,8 +6,10 @@ transformers' `hidden_states`: index i < L is the input of decoder layer i (a pr
 layer), index L the output of the final norm (a hook on the norm), i.e. the lm_head input.
 
 Inside generate, each verify forward overwrites the capture; the loop then keeps, per row, only
-the positions that became accepted context (the pending token(s) and the accepted drafts) and
-hands them to the drafter at its next call (`ProposeRequest.target_features`).
+the positions that became accepted context (the pending token(s) and the accepted drafts), in a
+`PendingFeatures` the drafter reads at its next calls (`ProposeRequest.target_features`). They
+wait there until the drafter takes them: a row that does not draft this step (k = 0, an n-gram
+match served it) costs the drafter nothing and catches up in one forward later.
 """
 
 from __future__ import annotations
@@ -30,12 +32,44 @@ def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
     return layers, norm
 
 
+class PendingFeatures:
+    """Per row, the target hidden states of accepted positions the drafter has not consumed yet.
+
+    Rows accumulate one `[m, D]` block per verify, in position order; the drafter asks how many
+    wait (`count`) and takes a row's whole backlog when it feeds them (`take`): with m waiting
+    for a context of n tokens, feature j belongs to position n - 1 - m + j.
+    """
+
+    def __init__(self):
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def add(self, row: int, features: torch.Tensor) -> None:
+        if features.shape[0] == 0:
+            return
+        waiting = self._rows.get(row)
+        self._rows[row] = features if waiting is None else torch.cat([waiting, features])
+
+    def count(self, row: int) -> int:
+        waiting = self._rows.get(int(row))
+        return 0 if waiting is None else int(waiting.shape[0])
+
+    def take(self, row: int) -> torch.Tensor:
+        """The row's waiting features `[m, D]`, removed from the queue (`[0, 0]` when none wait)."""
+        return self._rows.pop(int(row), torch.empty(0, 0))
+
+    def drop(self, row: int) -> None:
+        self._rows.pop(int(row), None)
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+
 class TargetFeatureCapture:
     """Hooks that record the hidden states at `layers` (transformers `hidden_states` indices).
 
     Use as a context manager: hooks exist only inside it. `features()` is the last forward's
     capture, the selected hidden states concatenated on the last dim. Inside generate the loop
-    calls `keep` / `drop` after each verify and `take` before each draft.
+    calls `keep` / `drop` after each verify; `pending` is what the drafter reads.
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[int]):
@@ -48,7 +82,7 @@ class TargetFeatureCapture:
         self._modules = {i: (norm if i == num_layers else decoder_layers[i]) for i in set(self.layers)}
         self._num_layers = num_layers
         self._captured: dict[int, torch.Tensor] = {}  # index -> [batch, tokens, H] of the last forward
-        self._pending: dict[int, torch.Tensor] = {}  # row -> [m, D] accepted since the drafter last asked
+        self.pending = PendingFeatures()
         self._handles: list = []
 
     def __enter__(self) -> TargetFeatureCapture:
@@ -65,7 +99,7 @@ class TargetFeatureCapture:
             handle.remove()
         self._handles.clear()
         self._captured.clear()
-        self._pending.clear()
+        self.pending.clear()
 
     def _input_hook(self, index: int):
         def hook(module, args, kwargs):
@@ -91,18 +125,10 @@ class TargetFeatureCapture:
     # --- per row, between verify and the next draft ----------------------------------------------
     def keep(self, row: int, start: int, count: int) -> None:
         """Row `row`'s tokens at packed positions [start, start + count) of the last forward were accepted."""
-        new = torch.cat([self._captured[i][0, start : start + count] for i in self.layers], dim=-1)
-        previous = self._pending.get(row)
-        # the drafter asks every step, so there is normally nothing left over to prepend
-        self._pending[row] = new if previous is None else torch.cat([previous, new])
+        self.pending.add(row, torch.cat([self._captured[i][0, start : start + count] for i in self.layers], dim=-1))
 
     def drop(self, row: int) -> None:
-        self._pending.pop(row, None)
-
-    def take(self, rows: Sequence[int]) -> list[torch.Tensor]:
-        """Each row's features accepted since the last call (`[0, 0]` when there are none yet)."""
-        empty = torch.empty(0, 0)
-        return [self._pending.pop(int(row), empty) for row in rows]
+        self.pending.drop(row)
 
 
 def capture_for_proposer(model: nn.Module, proposer) -> contextlib.AbstractContextManager:

@@ -63,7 +63,10 @@ def test_bench_ngram_auto_with_sweep_png_and_json(model_folder, prompts_file, tm
     assert list(arms) == ["plain", "transformers", "ours", "ours_k1", "ours_k3"]
     for name, arm in arms.items():
         assert ARM_KEYS <= set(arm), name
-        assert arm["tokens_per_s"] > 0 and arm["ttft_s"] > 0 and arm["tpot_s"] > 0
+        assert arm["tokens_per_s"] > 0 and arm["ttft_s"] > 0
+        # TPOT is (full call - separate TTFT call) / tokens: on this tiny model both calls take a few ms,
+        # so CPU noise can push the difference below 0; only its presence is behaviour
+        assert isinstance(arm["tpot_s"], float)
     assert arms["plain"]["ratio_vs_plain"] == 1.0
     for name in ("ours", "ours_k1", "ours_k3"):  # greedy: exactly plain's tokens
         assert SPEC_KEYS <= set(arms[name]), name

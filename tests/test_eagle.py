@@ -28,7 +28,7 @@ from test_sampling_distribution import SETTINGS, chi_square_pvalue, exact_distri
 import hf_specdec
 from hf_specdec import decoding
 from hf_specdec.eagle_heads import EagleHead
-from hf_specdec.feature_capture import target_features
+from hf_specdec.feature_capture import PendingFeatures, target_features
 from hf_specdec.proposers import ProposeRequest
 from hf_specdec.proposers.eagle import EagleProposer
 from hf_specdec.rejection_sampler import RandomDraws, rejection_sample
@@ -134,9 +134,12 @@ def _features(model, method: str, head, tokens: list[int]) -> torch.Tensor:
         return target_features(model, torch.tensor([tokens]), layers)[0][0]
 
 
-def _request(tokens, features, max_draft, row=0):
+def _request(tokens, features, max_draft, pending=None, row=0):
+    """A request whose queue holds what `pending` (the loop's queue of earlier calls) still holds, plus `features`."""
+    pending = pending if pending is not None else PendingFeatures()
+    pending.add(row, features)
     return ProposeRequest(
-        rows=[row], token_ids=[np.array(tokens, dtype=np.int64)], max_draft_tokens=[max_draft], target_features=[features]
+        rows=[row], token_ids=[np.array(tokens, dtype=np.int64)], max_draft_tokens=[max_draft], target_features=pending
     )
 
 
@@ -156,14 +159,17 @@ def test_head_cache_rollback_and_feature_consumption(tiny_llama, method):
     with torch.no_grad():
         direct = fresh(max_length=64).propose(_request(tokens, features[: n - 1], k)).draft_token_ids[0]
 
-        quiet = fresh(max_length=64)
-        assert len(quiet.propose(_request(tokens[:split], features[: split - 1], 0)).draft_token_ids[0]) == 0
-        after_quiet = quiet.propose(_request(tokens, features[split - 1 : n - 1], k)).draft_token_ids[0]
+        quiet, queue = fresh(max_length=64), PendingFeatures()
+        assert len(quiet.propose(_request(tokens[:split], features[: split - 1], 0, queue)).draft_token_ids[0]) == 0
+        assert queue.count(0) == split - 1  # not drafting: the features wait in the queue
+        after_quiet = quiet.propose(_request(tokens, features[split - 1 : n - 1], k, queue)).draft_token_ids[0]
+        assert queue.count(0) == 0
 
-        speculative = fresh(num_blocks=1)  # one 4-token block: the pool has to grow on the way
-        assert len(speculative.propose(_request(tokens[:split], features[: split - 1], k)).draft_token_ids[0]) == k
+        speculative, queue = fresh(num_blocks=1), PendingFeatures()  # one 4-token block: the pool has to grow
+        first = speculative.propose(_request(tokens[:split], features[: split - 1], k, queue)).draft_token_ids[0]
+        assert len(first) == k
         assert speculative.cache.seq_lens[0] == split - 1 + k - 1  # context pairs + drafts but the last
-        after_speculative = speculative.propose(_request(tokens, features[split - 1 : n - 1], k)).draft_token_ids[0]
+        after_speculative = speculative.propose(_request(tokens, features[split - 1 : n - 1], k, queue)).draft_token_ids[0]
     assert len(direct) == k
     np.testing.assert_array_equal(after_quiet, direct)
     np.testing.assert_array_equal(after_speculative, direct)
@@ -176,8 +182,8 @@ def test_head_cache_rollback_and_feature_consumption(tiny_llama, method):
 def test_rows_not_drafting_defer_the_head(tiny_llama, method, monkeypatch):
     """k = 0 calls (one new feature each, as a plain decode step gives) run no head forward: the
     features wait, and the first call that drafts feeds them all at once, with the drafts of a
-    head fed every step. Past MAX_UNFED_POSITIONS a row feeds them even without drafting."""
-    from hf_specdec.proposers import eagle
+    head fed every step. Past MAX_PENDING_POSITIONS a row feeds them even without drafting."""
+    from hf_specdec.proposers import drafting
 
     model = tiny_llama
     head = random_head(model, method)
@@ -186,17 +192,20 @@ def test_rows_not_drafting_defer_the_head(tiny_llama, method, monkeypatch):
     n, first, k = len(tokens), 3, 2
 
     def quiet_then_draft(proposer):
-        proposer.propose(_request(tokens[:first], features[: first - 1], 0))
+        queue = PendingFeatures()
+        proposer.propose(_request(tokens[:first], features[: first - 1], 0, queue))
         fed = []
         for length in range(first + 1, n):  # one decode step per token, none drafting
-            assert proposer.propose(_request(tokens[:length], features[length - 2 : length - 1], 0)).num_draft_tokens == [0]
+            request = _request(tokens[:length], features[length - 2 : length - 1], 0, queue)
+            assert proposer.propose(request).num_draft_tokens == [0]
             fed.append(proposer.cache.seq_lens.get(0, 0) if proposer.cache is not None else 0)
-        return fed, proposer.propose(_request(tokens, features[n - 2 : n - 1], k)).draft_token_ids[0]
+            assert fed[-1] + queue.count(0) == length - 1  # every feature is either fed or waiting
+        return fed, proposer.propose(_request(tokens, features[n - 2 : n - 1], k, queue)).draft_token_ids[0]
 
     with torch.no_grad():
         direct = EagleProposer(head, model, k, max_length=64).propose(_request(tokens, features[: n - 1], k))
         fed, deferred = quiet_then_draft(EagleProposer(head, model, k, max_length=64))
-        monkeypatch.setattr(eagle, "MAX_UNFED_POSITIONS", 4)
+        monkeypatch.setattr(drafting, "MAX_PENDING_POSITIONS", 4)
         capped_fed, capped = quiet_then_draft(EagleProposer(head, model, k, max_length=64))
     assert fed == [0] * len(fed)  # no head forward while not drafting
     assert max(capped_fed) > 0 and all(n_fed % 4 == 0 for n_fed in capped_fed)  # fed in backlogs of 4

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_llama, plain_generate, repeated_span_batch
@@ -22,6 +23,8 @@ from transformers.modeling_layers import MtpModel
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3PreTrainedModel
 
 import hf_specdec
+from hf_specdec.feature_capture import PendingFeatures
+from hf_specdec.proposers import ProposeRequest
 from hf_specdec.proposers.mtp import MtpProposer
 
 NUM_LAYERS = 2
@@ -255,6 +258,46 @@ def test_k_beyond_the_mtp_layers_reuses_the_last_layer(target, monkeypatch):
                 assert drafted == reference_recursive_drafts(target, mtp, list(context), 3)
                 checked += 1
     assert checked >= 10
+
+
+def test_rows_not_drafting_leave_their_states_waiting(target, monkeypatch):
+    """k = 0 calls (one new hidden state each, as a plain decode step gives) run no MTP forward: the
+    states wait in the loop's queue, and the first call that drafts feeds them all at once, with
+    the drafts of a layer fed every step. Past MAX_PENDING_POSITIONS a row feeds them anyway."""
+    from hf_specdec.proposers import drafting
+
+    mtp = hf_specdec.proposers.mtp.load_mtp_model(None, target)
+    context = [5, 9, 14, 5, 9, 14, 7, 22, 31, 40, 5, 9]
+    with torch.no_grad():
+        hidden = target(input_ids=torch.tensor([context]), output_hidden_states=True).hidden_states[-1][0]
+    n, first, k = len(context), 3, 2
+
+    def propose(proposer, queue, length, new_states, max_draft):
+        queue.add(0, new_states)
+        request = ProposeRequest(
+            rows=[0], token_ids=[np.array(context[:length])], max_draft_tokens=[max_draft], target_features=queue
+        )
+        return proposer.propose(request)
+
+    def quiet_then_draft():
+        proposer, queue = MtpProposer(target, mtp, k, max_length=64), PendingFeatures()
+        propose(proposer, queue, first, hidden[: first - 1], 0)
+        held = []
+        for length in range(first + 1, n):  # one decode step per token, none drafting
+            assert propose(proposer, queue, length, hidden[length - 2 : length - 1], 0).num_draft_tokens == [0]
+            held.append(proposer.cache.seq_lens.get(0, 0))
+            assert held[-1] + queue.count(0) == length - 1  # every state is either fed or waiting
+        return held, propose(proposer, queue, n, hidden[n - 2 : n - 1], k).draft_token_ids[0]
+
+    direct = propose(MtpProposer(target, mtp, k, max_length=64), PendingFeatures(), n, hidden[: n - 1], k)
+    held, deferred = quiet_then_draft()
+    monkeypatch.setattr(drafting, "MAX_PENDING_POSITIONS", 4)
+    capped_held, capped = quiet_then_draft()
+    assert held == [0] * len(held)  # no MTP forward while not drafting
+    assert max(capped_held) > 0 and all(count % 4 == 0 for count in capped_held)  # fed in backlogs of 4
+    assert len(direct.draft_token_ids[0]) == k
+    np.testing.assert_array_equal(deferred, direct.draft_token_ids[0])
+    np.testing.assert_array_equal(capped, direct.draft_token_ids[0])
 
 
 def test_first_step_drafts_nothing_then_every_step_drafts(target, monkeypatch):

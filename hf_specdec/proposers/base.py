@@ -15,17 +15,19 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..feature_capture import PendingFeatures
+
 
 @dataclass
 class ProposeRequest:
     rows: list[int]  # batch index of each row asking for drafts
     token_ids: list[np.ndarray]  # each row's tokens so far (prompt + generated), int64, unpadded
     max_draft_tokens: list[int]  # at most this many drafts for each row (may be 0)
-    # Drafters with `target_feature_layers` (EAGLE) get, per row, `[m, D]` target hidden states of
-    # the m positions that became accepted context since their last call (the pending token(s) and
-    # the accepted drafts; `[0, 0]` before the first verify): feature j belongs to position
-    # len-1-m+j. None for drafters that read tokens only.
-    target_features: list[torch.Tensor] | None = None
+    # Drafters with `target_feature_layers` (EAGLE, MTP): the target hidden states of the positions
+    # that became accepted context (the pending token(s) and the accepted drafts) and that the
+    # drafter has not taken yet, per row (none before the first verify). The same queue every
+    # call: what a drafter leaves there waits for its next call. None for drafters that read tokens only.
+    target_features: PendingFeatures | None = None
 
 
 @dataclass

@@ -10,6 +10,8 @@
   top-k, top-p, min-p, ...): they need no prefix, so one call covers every row. Processors that
   read the prefix (repetition penalty, no-repeat-ngram, ...) are left to the target: skipping
   them changes q, never the output distribution.
+- `rows_to_feed`: which rows a drafter reading the target's hidden states (EAGLE, MTP) feeds
+  this call: those drafting, and those whose waiting features reached `MAX_PENDING_POSITIONS`.
 - `autoregressive_drafts`: k draft steps batched over rows into packed varlen forwards over a
   `PagedKVCache`, exactly as the loop drives the target: the first forward feeds each row's
   tokens the drafter has not cached yet, the next ones one token per row. `causal_lm_forward` is
@@ -28,6 +30,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from ..config import SpeculativeConfig
 from ..logits_processing import _POSITION_FREE
 from ..paged_cache import PagedAttentionMetadata, PagedKVCache
+from .base import ProposeRequest
 
 # the exponential race divides by E ~ Exp(1): a draw of 0 must not divide by zero (as the rejection sampler)
 NOISE_FLOOR = 1e-20
@@ -36,6 +39,10 @@ NOISE_FLOOR = 1e-20
 # the output. torch's CPU generator keeps only the low 32 bits of a seed (seed + 2**40 would give
 # the very same stream), so each draft seed is hashed from (seed, row, this tag) instead.
 DRAFT_STREAM_TAG = 0x0D5AF7
+
+# a row that does not draft still feeds its waiting target features once this many wait: a long
+# stretch without drafts (auto k = 0, n-gram matches) then holds bounded memory
+MAX_PENDING_POSITIONS = 64
 
 # forward(input_ids [T], position_ids [T], keep [R], metadata) -> logits [R, vocab] of the kept positions
 DraftForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
@@ -106,6 +113,22 @@ class DraftTokenPicker:
     def release(self, rows: Sequence[int]) -> None:
         for row in rows:
             self._generators.pop(int(row), None)
+
+
+def rows_to_feed(request: ProposeRequest) -> list[int]:
+    """Indices into `request.rows` of the rows whose waiting target features are fed this call:
+    the rows that may draft, and those with `MAX_PENDING_POSITIONS` or more waiting. A row with
+    none waiting (before its first verify) is never among them: there is nothing to draft from.
+    """
+    pending = request.target_features
+    if pending is None:
+        return []
+    return [
+        i
+        for i, row in enumerate(request.rows)
+        if (waiting := pending.count(row)) > 0
+        and (request.max_draft_tokens[i] > 0 or waiting >= MAX_PENDING_POSITIONS)
+    ]
 
 
 def drafter_pool_blocks(token_ids: Sequence[np.ndarray], max_length: int, k: int, block_size: int) -> int:

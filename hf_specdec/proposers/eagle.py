@@ -3,13 +3,14 @@
 Per row the head keeps its own paged KV cache, one entry per context position i, holding the
 pair (target feature of position i, token i + 1). Each call:
 
-1. the loop hands over the features of the positions accepted by the last verify (the pending
-   token(s) and the accepted drafts). A row that may not draft this call (k = 0: auto k, a
-   batch-size limit, the end of its budget) keeps them unfed: it catches up in one forward when
-   it drafts again, rather than paying a head forward every step (up to `MAX_UNFED_POSITIONS`,
-   which bounds the memory a long k = 0 stretch holds). With m unfed features, feature j belongs
-   to position len-1-m+j and is paired with token len-m+j. The row's head cache is rolled back
-   to len-1-m first, which drops the speculative entries of the previous call's rejected drafts;
+1. the loop's queue (`ProposeRequest.target_features`) holds the features of the positions
+   accepted since the head last fed the row (the pending token(s) and the accepted drafts). A
+   row that may not draft this call (k = 0: auto k, a batch-size limit, an n-gram match in front,
+   the end of its budget) leaves them there: it catches up in one forward when it drafts again,
+   rather than paying a head forward every step (`rows_to_feed`: up to `MAX_PENDING_POSITIONS`).
+   With m waiting features, feature j belongs to position len-1-m+j and is paired with token
+   len-m+j. The row's head cache is rolled back to len-1-m first, which drops the speculative
+   entries of the previous call's rejected drafts;
 2. step 1 runs every fed row's m new pairs in one packed forward; the last position's output
    gives draft 1;
 3. steps 2..k run one pair per row (the head's own output as the feature, the previous draft as
@@ -33,11 +34,9 @@ from ..feature_capture import decoder_parts
 from ..paged_attention import use_paged_attention
 from ..paged_cache import PagedKVCache
 from .base import DraftProposal, ProposeRequest
-from .drafting import drafter_pool_blocks
+from .drafting import drafter_pool_blocks, rows_to_feed
 
 _NO_DRAFTS = np.zeros(0, dtype=np.int64)
-# a row that does not draft still feeds its unfed features to the head once this many wait
-MAX_UNFED_POSITIONS = 64
 # heads loaded from a folder / Hub id, per target, so repeated generate() calls load them once
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -66,8 +65,6 @@ class EagleProposer:
         decoder_layers, _ = decoder_parts(target_model)
         self.target_feature_layers: tuple[int, ...] = head.feature_layers_for(len(decoder_layers))
         self.cache: PagedKVCache | None = None
-        # per row: target features of accepted positions not yet fed to the head
-        self.unfed: dict[int, torch.Tensor] = {}
 
     @classmethod
     def from_config(
@@ -106,24 +103,13 @@ class EagleProposer:
     @torch.no_grad()
     def propose(self, request: ProposeRequest) -> DraftProposal:
         drafts = [_NO_DRAFTS] * len(request.rows)
-        if request.target_features is None:
-            return DraftProposal(draft_token_ids=drafts)
-        for row, new_features in zip(request.rows, request.target_features):
-            if new_features.shape[0] > 0:
-                unfed = self.unfed.get(int(row))
-                self.unfed[int(row)] = new_features if unfed is None else torch.cat([unfed, new_features])
-        # rows with nothing unfed have never been verified yet (the prefill step): nothing to draft from
-        active = [
-            i for i, row in enumerate(request.rows)
-            if int(row) in self.unfed
-            and (request.max_draft_tokens[i] > 0 or len(self.unfed[int(row)]) >= MAX_UNFED_POSITIONS)
-        ]
+        active = rows_to_feed(request)
         if not active:
             return DraftProposal(draft_token_ids=drafts)
         head = self.head
         device = head.fc.weight.device
         rows = [int(request.rows[i]) for i in active]
-        features = [self.unfed.pop(row) for row in rows]
+        features = [request.target_features.take(row) for row in rows]
         lengths = [len(request.token_ids[i]) for i in active]
         counts = [int(f.shape[0]) for f in features]
         wanted = np.minimum(np.array([request.max_draft_tokens[i] for i in active], dtype=np.int64), self.k)
@@ -171,7 +157,6 @@ class EagleProposer:
 
     def release(self, rows: list[int]) -> None:
         for row in rows:
-            self.unfed.pop(int(row), None)
             if self.cache is not None:
                 self.cache.free_row(int(row))
 

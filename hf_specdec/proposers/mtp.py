@@ -33,7 +33,14 @@ from transformers import PreTrainedModel
 from ..paged_attention import use_paged_attention
 from ..paged_cache import PagedKVCache
 from .base import DraftProposal, ProposeRequest
-from .drafting import DraftSampling, DraftTokenPicker, append_picks, drafter_pool_blocks, stack_draft_probs
+from .drafting import (
+    DraftSampling,
+    DraftTokenPicker,
+    append_picks,
+    drafter_pool_blocks,
+    rows_to_feed,
+    stack_draft_probs,
+)
 
 # MTP modules read from a target's checkpoint, per target, so repeated generate() calls load them once
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -124,8 +131,6 @@ class MtpProposer:
         self.target_feature_layers = (target.config.get_text_config().num_hidden_layers,)
         self.picker = DraftTokenPicker(sampling or DraftSampling(), self.device)
         self.cache: PagedKVCache | None = None
-        # per row: target hidden states of accepted positions not yet fed to the MTP layer
-        self.unfed: dict[int, torch.Tensor] = {}
 
     def _ensure_cache(self, token_ids: list[np.ndarray]) -> PagedKVCache:
         if self.cache is None:
@@ -165,26 +170,21 @@ class MtpProposer:
             [np.asarray(t, dtype=np.int64) for t in request.token_ids],
         )
         max_draft = [min(int(m), self.k) for m in request.max_draft_tokens]
-        drafting = []
-        for i, (row, context, features) in enumerate(zip(rows, contexts, request.target_features)):
-            if features.numel():
-                previous = self.unfed.get(row)
-                self.unfed[row] = features if previous is None else torch.cat([previous, features])
-            unfed = self.unfed.get(row)
-            held = cache.seq_lens.get(row, 0)  # entries for positions 1..held
-            if unfed is not None and len(unfed) != len(context) - 1 - held:
+        fed = rows_to_feed(request)  # rows drafting, and rows whose waiting states reached the cap
+        for i in fed:
+            waiting, held = request.target_features.count(rows[i]), cache.seq_lens.get(rows[i], 0)
+            if waiting != len(contexts[i]) - 1 - held:  # held: entries for positions 1..held
                 raise RuntimeError(
-                    f"MTP drafter out of step for row {row}: {len(unfed)} new target hidden states for "
-                    f"{len(context) - 1 - held} new positions"
+                    f"MTP drafter out of step for row {rows[i]}: {waiting} new target hidden states for "
+                    f"{len(contexts[i]) - 1 - held} new positions"
                 )
-            if max_draft[i] > 0 and unfed is not None:  # nothing to draft from before the first verify
-                drafting.append(i)
 
         drafts: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
-        if drafting:
+        if fed:
+            hidden = [request.target_features.take(rows[i]) for i in fed]
             with torch.no_grad(), use_paged_attention(self.mtp):
-                self._draft(rows, contexts, drafting, max_draft, drafts, probs)
+                self._draft(rows, contexts, fed, hidden, max_draft, drafts, probs)
         draft_arrays = [np.array(d, dtype=np.int64) for d in drafts]
         per_row_probs = [torch.stack(p) if p else None for p in probs]
         return DraftProposal(
@@ -195,35 +195,39 @@ class MtpProposer:
         self,
         rows: list[int],
         contexts: list[np.ndarray],
-        drafting: list[int],
+        fed: list[int],
+        hidden: list[torch.Tensor],
         max_draft: list[int],
         drafts: list[list[int]],
         probs: list[list[torch.Tensor]],
     ) -> None:
-        """Fill `drafts` / `probs` for the rows at indices `drafting`; the MTP cache keeps only real entries."""
+        """Feed the rows at indices `fed` their target hidden states `hidden` (one `[m, H]` each),
+        then fill `drafts` / `probs` for those of them that may draft; the MTP cache keeps only
+        real entries."""
         cache = self.cache
         # 1. the real entries: positions held+1..n-1, token p with the target's hidden state at p - 1
-        active_rows = [rows[i] for i in drafting]
-        starts = [cache.seq_lens.get(row, 0) + 1 for row in active_rows]
-        ends = [len(contexts[i]) for i in drafting]  # exclusive: position n - 1 is the last real one
-        tokens = np.concatenate([contexts[i][s:e] for i, s, e in zip(drafting, starts, ends)])
+        fed_rows = [rows[i] for i in fed]
+        starts = [cache.seq_lens.get(row, 0) + 1 for row in fed_rows]
+        ends = [len(contexts[i]) for i in fed]  # exclusive: position n - 1 is the last real one
+        tokens = np.concatenate([contexts[i][s:e] for i, s, e in zip(fed, starts, ends)])
         positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)])
-        hidden = torch.cat([self.unfed.pop(rows[i]) for i in drafting]).to(self.device)
         lengths = [e - s for s, e in zip(starts, ends)]
-        real_lengths = {row: end - 1 for row, end in zip(active_rows, ends)}
+        real_lengths = {row: end - 1 for row, end in zip(fed_rows, ends)}
         try:
-            output = self._layer_forward(active_rows, tokens, hidden, positions, lengths)
-            last = torch.from_numpy(np.cumsum(lengths) - 1).to(self.device)
-            previous = output.index_select(0, last)  # each row's output at position n - 1
-            active, step_positions = list(drafting), np.array(ends, dtype=np.int64) - 1
-            while True:
+            output = self._layer_forward(fed_rows, tokens, torch.cat(hidden).to(self.device), positions, lengths)
+            drafting = [j for j, i in enumerate(fed) if max_draft[i] > 0]
+            last = torch.from_numpy(np.cumsum(lengths)[drafting] - 1).to(self.device)
+            previous = output.index_select(0, last)  # each drafting row's output at position n - 1
+            active = [fed[j] for j in drafting]
+            step_positions = np.array(ends, dtype=np.int64)[drafting] - 1
+            while active:
                 logits = self.mtp._project_to_logits(previous)
                 picked, q = self.picker.pick(logits, [rows[i] for i in active])
                 keep = append_picks(active, picked, q, drafts, probs, max_draft)
-                if not keep:
-                    break
                 # 2. recursion: the draft at the next position, with the layer's own previous output
                 active = [active[j] for j in keep]
+                if not active:
+                    break
                 step_positions = step_positions[keep] + 1
                 keep_index = torch.tensor(keep, device=self.device)
                 previous = self._layer_forward(
@@ -239,7 +243,6 @@ class MtpProposer:
 
     def release(self, rows: list[int]) -> None:
         for row in rows:
-            self.unfed.pop(int(row), None)
             if self.cache is not None:
                 self.cache.free_row(int(row))
         self.picker.release(rows)

@@ -4,8 +4,8 @@ Rows whose context has a match take the n-gram drafter's tokens: free to make, a
 output repeats its context (code, edits, lists, a small model looping) long runs of them are
 accepted. The other rows are asked of the method's drafter (EAGLE head, draft model, ...) in
 the same step. A row served by the n-gram is asked for no drafts by the model drafter: EAGLE and
-MTP keep its features unfed until it is theirs again, draft models catch up from their own
-cache, so nothing runs for it.
+MTP leave its target features waiting in the loop's queue until it is theirs again, draft models
+catch up from their own cache, so nothing runs for it.
 
 N-gram drafts are fixed tokens (a one-hot q). When the model drafter samples and returns its q,
 the n-gram rows get one-hot rows in that tensor, so the rejection sampler's p/q test treats them
