@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--cpu-linear-backend",
         choices=CPU_LINEAR_BACKENDS,
-        help="speculative_config.cpu_linear_backend of ours (default auto: numba on CPU fp32)",
+        help="speculative_config.cpu_linear_backend of ours (default auto: the route measured fastest per row count)",
     )
     bench.add_argument(
         "--plain-fast-linears",

@@ -1,19 +1,27 @@
-"""fp32 `nn.Linear` on CPU through a small-batch numba kernel or oneDNN instead of torch's BLAS call.
+"""fp32 `nn.Linear` on CPU through the fastest of torch's BLAS, oneDNN and a small-batch numba
+kernel, chosen per input row count by measuring them on the machine at hand.
 
-Why: torch runs an fp32 CPU linear as an MKL sgemm. On the AMD EPYC machines we measure on, MKL
-takes about 2x longer for 2..9 input rows than for one (SmolLM2's 49k-row lm_head: 8.8 ms for 1
-row, 20 ms for 2), so a verify forward over k+1 tokens cost 1.5-1.8x a one-token decode step and
-ate most of what accepted drafts save. oneDNN, which torch ships, halves that but still pays
-~2.5x for 2 rows (3.9 / 9.9 ms): its GEMM packs the weight on every call. A decode or verify
-step is bound by reading the weights once, so the "numba" backend runs up to `SMALL_BATCH_ROWS`
-rows with `_small_batch_linear`: each weight row is read once and dotted with every input row
-while it sits in L1 (lm_head 3.2 / 4.2 / 5.4 ms for 1 / 2 / 4 rows; a SmolLM2 forward of 1, 2,
-4 tokens 51 / 55 / 57 ms against MKL's 63 / 113 / 104). More rows (prefill, large batches) go to
-oneDNN, which is faster there. torch has no public switch for either route without lowering fp32
-precision, so while the context is active a module's `forward` calls them on the module's own
-weight (no copy, same memory). Results are fp32 dot products like MKL's, differing only in
-rounding (a few 1e-6 relative); the numba kernel computes a row the same way whatever the other
-rows are.
+Why: a decode or verify step is bound by reading the weights once, so a verify forward over
+k+1 tokens should cost about what a one-token step costs. Which GEMM gets there depends on the
+CPU, and no library is best everywhere:
+
+- torch runs an fp32 CPU linear as an MKL sgemm. On the AMD EPYC machines we first measured on,
+  MKL took about 2x longer for 2..9 input rows than for one (SmolLM2's 49k-row lm_head: 8.8 ms
+  for 1 row, 20 ms for 2); on an Intel Xeon (AVX-512) it is the fastest route up to 3 rows
+  (whole SmolLM2 forwards of 1 / 2 / 3 tokens: 40 / 45 / 47 ms) and doubles at 4 (74 ms).
+- oneDNN, which torch ships, packs the weight on every call: slow for 1-2 rows, the best from
+  about 6 rows on (Xeon: 73 ms for 6 tokens, 89 for 16).
+- `_small_batch_linear`, our numba kernel: each weight row is read once and dotted with every
+  input row while it sits in L1 (up to `SMALL_BATCH_ROWS`). On the EPYC: SmolLM2 forwards of 1,
+  2, 4 tokens 51 / 55 / 57 ms against MKL's 63 / 113 / 104; on the Xeon 47 / 56 / 69.
+
+So "auto" (`plan_backends`) times every route once per process over a pass through the model's
+own linears at each row count of `PLAN_ROWS`, and each linear then takes the route measured
+fastest for its row count; more rows than that (prefills) go to torch's BLAS, as in plain
+`generate()`. torch has no public switch for the other routes without lowering fp32 precision,
+so while the context is active a module's `forward` calls them on the module's own weight (no
+copy, same memory). Results are fp32 dot products like MKL's, differing only in rounding (a few
+1e-6 relative); the numba kernel computes a row the same way whatever the other rows are.
 
 `fast_cpu_linears` is public: it speeds up plain `generate()` on CPU too, and the benchmark uses it
 to report how much of a speedup is speculation and how much is the GEMM.
@@ -21,10 +29,14 @@ to report how much of a speedup is speculation and how much is the GEMM.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
+import statistics
+import time
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -32,9 +44,16 @@ import torch
 
 from .config import CPU_LINEAR_BACKENDS
 
-# up to here the numba kernel beats oneDNN on SmolLM2's shapes (lm_head at 8 rows: 9.5 vs 13.2 ms;
-# whole forwards of 9 / 12 / 16 tokens: 83 / 103 / 131 ms against oneDNN's 103 / 116 / 120)
+# the numba kernel's limit: up to here it beat oneDNN on SmolLM2's shapes on the EPYC (lm_head at
+# 8 rows: 9.5 vs 13.2 ms; whole forwards of 9 / 12 / 16 tokens: 83 / 103 / 131 ms against 103 / 116 / 120)
 SMALL_BATCH_ROWS = 12
+# the row counts "auto" times every route at; a linear of r rows takes the route measured for the
+# smallest of these >= r, and more rows than the last go to torch's BLAS
+PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# a timing pass streams up to this much of the model's weights: more than a CPU's last-level cache,
+# so it is bound by memory as a real forward is (a pass over cached weights favours other routes)
+PLAN_BYTES = 256 * 2**20
+PLAN_REPEATS = 3
 
 
 @numba.njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)
@@ -83,6 +102,10 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
 
 
+def _torch_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
 def _numba_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // self.in_features
     if not _inference_fp32_cpu(x) or rows > SMALL_BATCH_ROWS:
@@ -97,14 +120,86 @@ _NO_BIAS = np.empty(0, dtype=np.float32)
 _FORWARDS: dict[str, Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]] = {
     "numba": _numba_forward,
     "onednn": _onednn_forward,
+    "torch": _torch_forward,
 }
 
 
-def resolve_backend(backend: str, modules: Iterable[torch.nn.Module]) -> str:
-    """The backend the loop runs, "numba", "onednn" or "torch", for the configured `backend`.
+@dataclass(frozen=True)
+class BackendPlan:
+    """The route "auto" runs a linear through, by its number of input rows."""
 
-    "auto" is numba when `modules` hold some fp32 CPU linear, else "torch"; "onednn" where torch
-    has no oneDNN raises, naming the allowed values.
+    rows: tuple[int, ...]  # ascending row counts that were measured
+    backends: tuple[str, ...]  # the fastest route measured at each
+
+    def backend_for(self, rows: int) -> str:
+        """The route measured at the smallest row count >= `rows`; "torch" past the last one."""
+        index = bisect.bisect_left(self.rows, rows)
+        return self.backends[index] if index < len(self.rows) else "torch"
+
+
+# pass timer: (route, rows, linears) -> seconds for one forward of every linear with `rows` input rows
+PassTimer = Callable[[str, int, Sequence[torch.nn.Linear]], float]
+_PLANS: dict[tuple, BackendPlan] = {}  # per sample of linears' shapes and thread count, once per process
+
+
+def _time_pass(backend: str, rows: int, linears: Sequence[torch.nn.Linear]) -> float:
+    inputs = {n: torch.randn(1, rows, n) for n in {linear.in_features for linear in linears}}
+    forward = _FORWARDS[backend]
+    started = time.perf_counter()
+    for linear in linears:
+        forward(linear, inputs[linear.in_features])
+    return time.perf_counter() - started
+
+
+def plan_backends(
+    linears: Sequence[torch.nn.Linear], rows: Sequence[int] = PLAN_ROWS, time_pass: PassTimer = _time_pass,
+    repeats: int = PLAN_REPEATS,
+) -> BackendPlan:
+    """Time torch's BLAS, oneDNN (where torch has it) and the numba kernel (up to `SMALL_BATCH_ROWS`
+    rows) over passes through `linears` at each row count; the median of `repeats` passes, taken
+    in a rotating order so that drift hits every route alike, picks the route for that count.
+    """
+    routes = ["torch", *(["onednn"] if onednn_available() else []), "numba"]
+    with torch.no_grad():
+        for route in routes:  # first calls pay one-time costs (numba loading its compiled kernel)
+            time_pass(route, 1, linears)
+        chosen = []
+        for count in rows:
+            candidates = [r for r in routes if r != "numba" or count <= SMALL_BATCH_ROWS]
+            seconds: dict[str, list[float]] = {route: [] for route in candidates}
+            for repeat in range(repeats):
+                shift = repeat % len(candidates)
+                for route in candidates[shift:] + candidates[:shift]:
+                    seconds[route].append(time_pass(route, count, linears))
+            chosen.append(min(candidates, key=lambda route: statistics.median(seconds[route])))
+    return BackendPlan(rows=tuple(rows), backends=tuple(chosen))
+
+
+def _plan_for(linears: Sequence[torch.nn.Linear]) -> BackendPlan:
+    """The plan for these linears, measured on the first `PLAN_BYTES` of them, once per process."""
+    sample, size = [], 0
+    for linear in linears:
+        if sample and size >= PLAN_BYTES:
+            break
+        sample.append(linear)
+        size += linear.weight.numel() * linear.weight.element_size()
+    key = (tuple((m.out_features, m.in_features, m.bias is not None) for m in sample), torch.get_num_threads())
+    if key not in _PLANS:
+        _PLANS[key] = plan_backends(sample)
+    return _PLANS[key]
+
+
+def _planned_forward(self: torch.nn.Linear, plan: BackendPlan, x: torch.Tensor) -> torch.Tensor:
+    if not _inference_fp32_cpu(x):
+        return _torch_forward(self, x)
+    return _FORWARDS[plan.backend_for(x.numel() // self.in_features)](self, x)
+
+
+def resolve_backend(backend: str, modules: Iterable[torch.nn.Module]) -> str:
+    """The backend the loop runs, "auto", "numba", "onednn" or "torch", for the configured `backend`.
+
+    "auto" stays "auto" (measured routes) when `modules` hold some fp32 CPU linear, else it is
+    "torch"; "onednn" where torch has no oneDNN raises, naming the allowed values.
     """
     if backend not in CPU_LINEAR_BACKENDS:
         raise ValueError(f"cpu_linear_backend={backend!r} is unknown; allowed: {', '.join(CPU_LINEAR_BACKENDS)}")
@@ -115,7 +210,7 @@ def resolve_backend(backend: str, modules: Iterable[torch.nn.Module]) -> str:
         )
     if backend != "auto":
         return backend
-    return "numba" if next(_fp32_cpu_linears(modules), None) is not None else "torch"
+    return "auto" if next(_fp32_cpu_linears(modules), None) is not None else "torch"
 
 
 def _fp32_cpu_linears(modules: Iterable[torch.nn.Module]) -> Iterator[torch.nn.Linear]:
@@ -136,25 +231,34 @@ def _fp32_cpu_linears(modules: Iterable[torch.nn.Module]) -> Iterator[torch.nn.L
                 yield module
 
 
+FAST_BACKENDS = ("auto", "numba", "onednn")
+
+
 @contextlib.contextmanager
-def fast_cpu_linears(*modules: torch.nn.Module, backend: str = "numba") -> Iterator[None]:
-    """Inside the block, every fp32 CPU `nn.Linear` of `modules` runs through `backend`: "numba"
-    (up to `SMALL_BATCH_ROWS` rows in our kernel, more through oneDNN) or "onednn" (an error where
-    this torch has none). Inference only: with grad enabled they fall back to `F.linear`.
-    numba's threads follow `torch.get_num_threads()` meanwhile.
+def fast_cpu_linears(*modules: torch.nn.Module, backend: str = "auto") -> Iterator[None]:
+    """Inside the block, every fp32 CPU `nn.Linear` of `modules` runs through `backend`: "auto"
+    (per row count, the route measured fastest here: `plan_backends`, run once per process and
+    model, a few seconds for a 135M model), "numba" (up to `SMALL_BATCH_ROWS` rows in our kernel,
+    more through oneDNN) or "onednn" (an error where this torch has none). Inference only: with
+    grad enabled they fall back to `F.linear`. numba's threads follow `torch.get_num_threads()`
+    meanwhile.
 
     >>> with torch.no_grad(), fast_cpu_linears(model):
     ...     model.generate(**inputs)
     """
-    if backend not in _FORWARDS:
-        raise ValueError(f"backend={backend!r} is unknown; allowed: {', '.join(_FORWARDS)}")
+    if backend not in FAST_BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; allowed: {', '.join(FAST_BACKENDS)}")
     resolve_backend(backend, modules)  # raises where oneDNN is demanded but missing
     patched = list(_fp32_cpu_linears(modules))
     numba_threads = numba.get_num_threads()
     try:
         numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        plan = _plan_for(patched) if backend == "auto" and patched else None
         for linear in patched:
-            linear.forward = types.MethodType(_FORWARDS[backend], linear)
+            if plan is None:
+                linear.forward = types.MethodType(_FORWARDS[backend], linear)
+            else:
+                linear.forward = functools.partial(_planned_forward, linear, plan)
         yield
     finally:
         numba.set_num_threads(numba_threads)

@@ -1,6 +1,7 @@
 """The fast routes for fp32 CPU linears (`cpu_linear.py`): the numba small-batch kernel and oneDNN
-give F.linear's numbers, are restored afterwards, are used by speculative generate unless turned
-off, and bad settings get clear errors."""
+give F.linear's numbers, "auto" runs each row count through the route it measured fastest, all
+are restored afterwards, are used by speculative generate unless turned off, and bad settings
+get clear errors."""
 
 from __future__ import annotations
 
@@ -13,9 +14,16 @@ from conftest import PAD_TOKEN_ID, build_tiny_llama
 
 import hf_specdec
 from hf_specdec import cpu_linear
-from hf_specdec.cpu_linear import SMALL_BATCH_ROWS, fast_cpu_linears, onednn_available, resolve_backend
+from hf_specdec.cpu_linear import (
+    SMALL_BATCH_ROWS,
+    BackendPlan,
+    fast_cpu_linears,
+    onednn_available,
+    plan_backends,
+    resolve_backend,
+)
 
-BACKENDS = ["numba", "onednn"]
+BACKENDS = ["auto", "numba", "onednn"]
 
 
 def _patched(model: torch.nn.Module) -> list[str]:
@@ -51,10 +59,10 @@ def test_numba_backend_routes_by_row_count(monkeypatch):
 
     monkeypatch.setattr(cpu_linear, "_small_batch_linear", counting)
     layer = torch.nn.Linear(32, 16)
-    with torch.no_grad(), fast_cpu_linears(layer):
+    with torch.no_grad(), fast_cpu_linears(layer, backend="numba"):
         for rows in (1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1):
             layer(torch.randn(1, rows, 32))
-    with fast_cpu_linears(layer):  # grad enabled: F.linear
+    with fast_cpu_linears(layer, backend="numba"):  # grad enabled: F.linear
         layer(torch.randn(2, 32))
     assert kernel_rows == [1, SMALL_BATCH_ROWS]
 
@@ -62,7 +70,7 @@ def test_numba_backend_routes_by_row_count(monkeypatch):
 def test_numba_linear_keeps_leading_dims_and_takes_strided_input():
     layer = torch.nn.Linear(64, 32)
     x = torch.randn(2, 3, 128)[..., ::2]  # [1, 2, 3 tokens] style input, not contiguous
-    with torch.no_grad(), fast_cpu_linears(layer):
+    with torch.no_grad(), fast_cpu_linears(layer, backend="numba"):
         got = layer(x)
     assert got.shape == (2, 3, 32)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
@@ -72,7 +80,7 @@ def test_numba_row_does_not_depend_on_the_other_rows():
     # the kernel sums each (row, output) the same way whatever the batch: bit-identical rows
     layer = torch.nn.Linear(576, 300, bias=False)
     x = torch.randn(SMALL_BATCH_ROWS, 576)
-    with torch.no_grad(), fast_cpu_linears(layer):
+    with torch.no_grad(), fast_cpu_linears(layer, backend="numba"):
         alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
         together = layer(x)
     assert torch.equal(alone, together)
@@ -83,7 +91,7 @@ def test_numba_linear_propagates_nan_and_inf():
     x = torch.randn(3, 16)
     x[1, 4] = float("nan")
     x[2, 0] = float("inf")
-    with torch.no_grad(), fast_cpu_linears(layer):
+    with torch.no_grad(), fast_cpu_linears(layer, backend="numba"):
         got = layer(x)
     assert torch.isfinite(got[0]).all() and torch.isnan(got[1]).all() and not torch.isfinite(got[2]).any()
 
@@ -92,7 +100,7 @@ def test_numba_linear_from_several_threads_at_once():
     layer = torch.nn.Linear(256, 512)
     inputs = [torch.randn(3, 256) for _ in range(8)]
     expected = [torch.nn.functional.linear(x, layer.weight, layer.bias) for x in inputs]
-    with torch.no_grad(), fast_cpu_linears(layer), ThreadPoolExecutor(4) as pool:
+    with torch.no_grad(), fast_cpu_linears(layer, backend="numba"), ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda x: [layer(x) for _ in range(20)][-1], inputs))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
@@ -103,7 +111,7 @@ def test_numba_threads_follow_torch_and_come_back():
     before = numba.get_num_threads()
     seen = []
     layer.register_forward_pre_hook(lambda module, args: seen.append(numba.get_num_threads()))
-    with torch.no_grad(), fast_cpu_linears(layer):
+    with torch.no_grad(), fast_cpu_linears(layer, backend="numba"):
         layer(torch.randn(1, 8))
     assert seen == [min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)]
     assert numba.get_num_threads() == before
@@ -166,15 +174,15 @@ def test_generate_identical_with_every_backend(enabled_llama, backend):
         hook.remove()
     assert torch.equal(out.sequences, plain)
     assert out.spec_metrics["num_accepted_tokens"] > 0
-    expected = {"auto": "_numba_forward", "numba": "_numba_forward", "onednn": "_onednn_forward", "torch": None}
-    assert {f and f.__func__.__name__ for f in seen_forward} == {expected[backend]}
+    expected = {"auto": "_planned_forward", "numba": "_numba_forward", "onednn": "_onednn_forward", "torch": None}
+    assert {f and getattr(f, "func", getattr(f, "__func__", None)).__name__ for f in seen_forward} == {expected[backend]}
     assert _patched(enabled_llama) == []
 
 
 def test_bad_backend_names_the_field():
     with pytest.raises(ValueError, match=r"cpu_linear_backend='mkl' is unknown; allowed: auto, numba, onednn, torch"):
         hf_specdec.SpeculativeConfig(cpu_linear_backend="mkl")
-    with pytest.raises(ValueError, match=r"backend='torch' is unknown; allowed: numba, onednn"):
+    with pytest.raises(ValueError, match=r"backend='torch' is unknown; allowed: auto, numba, onednn"):
         with fast_cpu_linears(torch.nn.Linear(2, 2), backend="torch"):
             pass
 
@@ -183,9 +191,71 @@ def test_onednn_demanded_where_missing(monkeypatch, tiny_llama):
     monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
     with pytest.raises(ValueError, match="cpu_linear_backend='onednn'.*allowed here: 'auto', 'numba' or 'torch'"):
         resolve_backend("onednn", [tiny_llama])
-    assert resolve_backend("auto", [tiny_llama]) == "numba"
+    assert resolve_backend("auto", [tiny_llama]) == "auto"
     ids = torch.randint(3, 128, (3, 17))  # more rows than the numba kernel takes: F.linear without oneDNN
     with torch.no_grad():
         expected = tiny_llama(ids).logits
-        with fast_cpu_linears(tiny_llama):
+        with fast_cpu_linears(tiny_llama, backend="numba"):
             torch.testing.assert_close(tiny_llama(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    timed = []
+    plan = plan_backends(
+        [torch.nn.Linear(8, 8)], rows=(1, 16), repeats=1, time_pass=lambda route, rows, linears: timed.append(route) or 1.0
+    )
+    assert "onednn" not in timed and set(plan.backends) <= {"torch", "numba"}  # never plans a missing route
+
+
+# --- "auto": the route measured fastest per row count ---------------------------------------------
+def test_plan_takes_the_fastest_route_per_row_count():
+    # a machine where torch's BLAS wins up to 3 rows, numba at 4, oneDNN from 8 (an Intel Xeon's shape)
+    def time_pass(route, rows, linears):
+        return {"torch": 1.0 if rows <= 3 else 3.0, "numba": 2.0 if rows != 4 else 0.5, "onednn": 2.5 if rows < 8 else 1.5}[route]
+
+    timed = []
+    plan = plan_backends([torch.nn.Linear(8, 8)], rows=(1, 3, 4, 8, 16), repeats=3,
+                         time_pass=lambda route, rows, linears: timed.append((route, rows)) or time_pass(route, rows, linears))
+    assert plan == BackendPlan(rows=(1, 3, 4, 8, 16), backends=("torch", "torch", "numba", "onednn", "onednn"))
+    assert ("numba", 16) not in timed  # the kernel's limit is SMALL_BATCH_ROWS
+    assert sum(1 for route, rows in timed if rows == 8) == 3 * 3  # every route, every repeat
+    assert [plan.backend_for(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17, 500)] == [
+        "torch", "torch", "torch", "numba", "onednn", "onednn", "onednn", "onednn", "torch", "torch"
+    ]  # between measured counts the next one up; past the last, torch's BLAS (prefills, as plain generate)
+
+
+def test_auto_runs_each_row_count_through_its_planned_route(monkeypatch, tiny_llama):
+    plan = BackendPlan(rows=(1, 2, 4), backends=("torch", "numba", "onednn"))
+    monkeypatch.setattr(cpu_linear, "_plan_for", lambda linears: plan)
+    used = []
+    for route, forward in list(cpu_linear._FORWARDS.items()):
+        monkeypatch.setitem(
+            cpu_linear._FORWARDS, route, lambda self, x, route=route, forward=forward: used.append(route) or forward(self, x)
+        )
+    layer = tiny_llama.lm_head
+    with torch.no_grad(), fast_cpu_linears(layer):
+        outputs = {rows: layer(torch.randn(1, rows, layer.in_features)) for rows in (1, 2, 3, 4, 5)}
+    assert used == ["torch", "numba", "onednn", "onednn", "torch"]
+    assert all(out.shape == (1, rows, layer.out_features) for rows, out in outputs.items())
+
+
+def test_auto_measures_a_bounded_sample_once(monkeypatch):
+    linears = [torch.nn.Linear(64, 64, bias=False) for _ in range(6)]  # 16 KiB of weights each
+    monkeypatch.setattr(cpu_linear, "PLAN_BYTES", 3 * 64 * 64 * 4)
+    monkeypatch.setattr(cpu_linear, "_PLANS", {})
+    sampled = []
+
+    def fake_plan(sample):
+        sampled.append(len(sample))
+        return BackendPlan(rows=(1,), backends=("torch",))
+
+    monkeypatch.setattr(cpu_linear, "plan_backends", fake_plan)
+    with torch.no_grad():
+        for _ in range(2):
+            with fast_cpu_linears(*linears):
+                linears[0](torch.randn(1, 64))
+    assert sampled == [3]  # the first PLAN_BYTES of weights, measured once per process
+
+
+def test_real_plan_uses_only_available_routes(tiny_llama):
+    plan = plan_backends([m for m in tiny_llama.modules() if isinstance(m, torch.nn.Linear)], repeats=1)
+    assert plan.rows == cpu_linear.PLAN_ROWS and len(plan.backends) == len(plan.rows)
+    for rows, route in zip(plan.rows, plan.backends):
+        assert route in ({"torch", "onednn", "numba"} if rows <= SMALL_BATCH_ROWS else {"torch", "onednn"})
