@@ -136,6 +136,16 @@ class BackendPlan:
         index = bisect.bisect_left(self.rows, rows)
         return self.backends[index] if index < len(self.rows) else "torch"
 
+    def describe(self) -> str:
+        """E.g. "rows 1-3: torch, 4: numba, 5-32: onednn, more: torch"."""
+        spans, first = [], 1
+        for index, (rows, backend) in enumerate(zip(self.rows, self.backends)):
+            if index + 1 < len(self.rows) and self.backends[index + 1] == backend:
+                continue
+            spans.append(f"{first}{'' if first == rows else f'-{rows}'}: {backend}")
+            first = rows + 1
+        return "rows " + ", ".join(spans) + ", more: torch"
+
 
 # pass timer: (route, rows, linears) -> seconds for one forward of every linear with `rows` input rows
 PassTimer = Callable[[str, int, Sequence[torch.nn.Linear]], float]
@@ -189,10 +199,31 @@ def _plan_for(linears: Sequence[torch.nn.Linear]) -> BackendPlan:
     return _PLANS[key]
 
 
-def _planned_forward(self: torch.nn.Linear, plan: BackendPlan, x: torch.Tensor) -> torch.Tensor:
-    if not _inference_fp32_cpu(x):
-        return _torch_forward(self, x)
-    return _FORWARDS[plan.backend_for(x.numel() // self.in_features)](self, x)
+def linear_plan(*modules: torch.nn.Module) -> BackendPlan | None:
+    """The plan `fast_cpu_linears(*modules)` ("auto") runs their fp32 CPU linears by (measured on
+    first use); None when they have none."""
+    linears = list(_fp32_cpu_linears(modules))
+    if not linears:
+        return None
+    numba_threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        return _plan_for(linears)
+    finally:
+        numba.set_num_threads(numba_threads)
+
+
+def _planned_forward(self: torch.nn.Linear, routes: tuple, x: torch.Tensor) -> torch.Tensor:
+    """`routes[rows]`: the plan's forward for that many rows (`_route_table`); torch's past its end.
+    Runs for every linear of every forward, so it checks as little as it can (a few µs matter here)."""
+    rows = x.numel() // self.in_features
+    if rows < len(routes) and x.dtype is torch.float32 and x.is_cpu and not torch.is_grad_enabled():
+        return routes[rows](self, x)
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def _route_table(plan: BackendPlan) -> tuple:
+    return tuple(_FORWARDS[plan.backend_for(rows)] for rows in range(plan.rows[-1] + 1))
 
 
 def resolve_backend(backend: str, modules: Iterable[torch.nn.Module]) -> str:
@@ -253,12 +284,12 @@ def fast_cpu_linears(*modules: torch.nn.Module, backend: str = "auto") -> Iterat
     numba_threads = numba.get_num_threads()
     try:
         numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        plan = _plan_for(patched) if backend == "auto" and patched else None
+        routes = _route_table(_plan_for(patched)) if backend == "auto" and patched else None
         for linear in patched:
-            if plan is None:
+            if routes is None:
                 linear.forward = types.MethodType(_FORWARDS[backend], linear)
             else:
-                linear.forward = functools.partial(_planned_forward, linear, plan)
+                linear.forward = functools.partial(_planned_forward, linear, routes)
         yield
     finally:
         numba.set_num_threads(numba_threads)

@@ -11,6 +11,7 @@ import pytest
 from conftest import build_tiny_llama
 
 from hf_specdec import cli
+from hf_specdec.cpu_linear import PLAN_ROWS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # user turns as their words, then "w3" opens the answer: every piece is in the word vocabulary
@@ -68,6 +69,8 @@ def test_bench_ngram_auto_with_sweep_png_and_json(model_folder, prompts_file, tm
         # so CPU noise can push the difference below 0; only its presence is behaviour
         assert isinstance(arm["tpot_s"], float)
     assert arms["plain"]["ratio_vs_plain"] == 1.0
+    plan = results["cpu_linear_plan"]  # the routes "auto" measured and ran the fp32 linears by
+    assert plan["rows"] == list(PLAN_ROWS) and len(plan["backends"]) == len(PLAN_ROWS)
     for name in ("ours", "ours_k1", "ours_k3"):  # greedy: exactly plain's tokens
         assert SPEC_KEYS <= set(arms[name]), name
         assert arms[name]["identical_fraction"] == 1.0 and arms[name]["divergences"] == []
@@ -80,6 +83,7 @@ def test_bench_ngram_auto_with_sweep_png_and_json(model_folder, prompts_file, tm
     assert png.read_bytes()[:8] == PNG_MAGIC
     table = capsys.readouterr().out
     assert "TTFT ms" in table and "ours_k3" in table and "accepted per position" in table
+    assert f"fp32 CPU linears (auto): {plan['text']}" in table
 
 
 def test_bench_batched_layer_skip_has_no_transformers_arm(model_folder, prompts_file, tmp_path):

@@ -46,6 +46,8 @@ def format_table(results: dict) -> str:
         f"max_new_tokens {settings['max_new_tokens']}, greedy"
     )
     text.insert(0, title)
+    if "cpu_linear_plan" in results:
+        text.append(f"fp32 CPU linears (auto): {results['cpu_linear_plan']['text']}")
     for name, arm in results["arms"].items():
         if arm.get("acceptance_per_position"):
             per_position = " ".join(f"{p:.2f}" for p in arm["acceptance_per_position"])

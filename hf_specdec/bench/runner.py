@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..auto_k import predicted_speedup
-from ..cpu_linear import fast_cpu_linears
+from ..cpu_linear import fast_cpu_linears, linear_plan, resolve_backend
 from ..metrics import SpecDecodeMetrics
 from .arms import Arm, BenchSettings, build_arms, sweep_arm_names
 
@@ -103,7 +103,11 @@ def run_benchmark(
             ours_vs_plain=f"{runs['ours'].tokens_per_s()[-1] / runs['plain'].tokens_per_s()[-1]:.2f}x"
         )
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return summarize(runs, settings, num_prompts=len(prompts), weight_bytes=weight_bytes)
+    results = summarize(runs, settings, num_prompts=len(prompts), weight_bytes=weight_bytes)
+    if resolve_backend(settings.speculative_config(settings.k).cpu_linear_backend, [model]) == "auto":
+        plan = linear_plan(model)  # measured during the warm-up calls: the routes "auto" ran the target's linears by
+        results["cpu_linear_plan"] = {"rows": list(plan.rows), "backends": list(plan.backends), "text": plan.describe()}
+    return results
 
 
 def _run_arm(model, inputs, arm: Arm, max_new_tokens: int, tokenizer, runs: ArmRuns) -> torch.Tensor:
