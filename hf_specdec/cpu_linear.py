@@ -205,10 +205,17 @@ def linear_plan(*modules: torch.nn.Module) -> BackendPlan | None:
     linears = list(_fp32_cpu_linears(modules))
     if not linears:
         return None
+    with _numba_threads_like_torch():
+        return _plan_for(linears)
+
+
+@contextlib.contextmanager
+def _numba_threads_like_torch() -> Iterator[None]:
+    """numba's kernel threads follow `torch.get_num_threads()` inside the block."""
     numba_threads = numba.get_num_threads()
     try:
         numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        return _plan_for(linears)
+        yield
     finally:
         numba.set_num_threads(numba_threads)
 
@@ -281,17 +288,15 @@ def fast_cpu_linears(*modules: torch.nn.Module, backend: str = "auto") -> Iterat
         raise ValueError(f"backend={backend!r} is unknown; allowed: {', '.join(FAST_BACKENDS)}")
     resolve_backend(backend, modules)  # raises where oneDNN is demanded but missing
     patched = list(_fp32_cpu_linears(modules))
-    numba_threads = numba.get_num_threads()
-    try:
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        routes = _route_table(_plan_for(patched)) if backend == "auto" and patched else None
-        for linear in patched:
-            if routes is None:
-                linear.forward = types.MethodType(_FORWARDS[backend], linear)
-            else:
-                linear.forward = functools.partial(_planned_forward, linear, routes)
-        yield
-    finally:
-        numba.set_num_threads(numba_threads)
-        for linear in patched:
-            del linear.forward
+    with _numba_threads_like_torch():
+        try:
+            routes = _route_table(_plan_for(patched)) if backend == "auto" and patched else None
+            for linear in patched:
+                if routes is None:
+                    linear.forward = types.MethodType(_FORWARDS[backend], linear)
+                else:
+                    linear.forward = functools.partial(_planned_forward, linear, routes)
+            yield
+        finally:
+            for linear in patched:
+                linear.__dict__.pop("forward", None)
