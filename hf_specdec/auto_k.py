@@ -24,9 +24,13 @@ when no k predicts a speedup above 1.
       c = (t_step / t_plain_step - 1) / k_drafted
 
   where t_step is the whole step (draft + verify + sampling) and k_drafted the step's draft
-  tokens per row. With this c the formula's denominator is exactly the measured step cost. Since
-  the verify cost per token grows with the batch, c measured at a large batch can make every
-  k predict a loss, and speculation turns itself off: `disable_by_batch_size` from measurements.
+  tokens per row. With this c the formula's denominator is exactly the measured step cost. The
+  verify cost per token grows with the batch (on a CPU, a batch of 8 verifying 2 tokens each is
+  compute-bound, one row is not), so c is kept per number of active rows, as rows finish and
+  the batch shrinks. A size not measured yet starts from the prior: an optimistic c that makes
+  it draft, and so measure its own cost, rather than inherit a larger batch's "drafts do not
+  pay". Where c makes every k predict a loss, speculation turns itself off at that batch size:
+  `disable_by_batch_size` from measurements.
 - t_plain_step: the loop's own steps that drafted nothing (no n-gram match, or k = 0), kept per
   number of active rows (rows leave the batch as they finish). When none is recent, the step
   is forced to k = 0: a probe costing one step's worth of drafts. The first step runs the
@@ -125,7 +129,8 @@ class AutoKController:
         self.k_max = k_max
         self.probe_interval = probe_interval
         self._alpha = DecayedRatio(alpha_prior * prior_weight, prior_weight, decay)
-        self._c = DecayedRatio(c_prior * prior_weight, prior_weight, decay)
+        self._c_prior, self._prior_weight, self._decay = c_prior, prior_weight, decay
+        self._c: dict[int, DecayedRatio] = {}  # by number of active rows
         self._plain: dict[int, PlainStepTime] = {}  # by number of active rows
         self._steps = 0  # steps recorded so far
         self._last_drafted_step = 0
@@ -135,21 +140,29 @@ class AutoKController:
         """Estimated probability that a draft is accepted, given the drafts before it were."""
         return self._alpha.value
 
-    @property
-    def c(self) -> float:
-        """Estimated extra cost per draft token, in plain steps (>= 0)."""
-        return max(self._c.value, 0.0)
+    def c(self, num_rows: int) -> float:
+        """Estimated extra cost per draft token at `num_rows` active rows, in plain steps (>= 0)."""
+        return max(self._c_estimate(num_rows).value, 0.0)
+
+    def _c_estimate(self, num_rows: int) -> DecayedRatio:
+        estimate = self._c.get(num_rows)
+        if estimate is None:
+            estimate = self._c[num_rows] = DecayedRatio(
+                self._c_prior * self._prior_weight, self._prior_weight, self._decay
+            )
+        return estimate
 
     def next_k(self, num_rows: int) -> int:
         """k for the next step of `num_rows` active rows: the formula's choice, or a probe."""
-        k = choose_k(self.alpha, self.c, self.k_max)
+        c = self.c(num_rows)
+        k = choose_k(self.alpha, c, self.k_max)
         if self._steps == 0:  # the prefill step: no decode timing to take, speculate on the priors
             return k
         plain = self._plain.get(num_rows)
         if plain is None or self._steps - plain.last_step >= self.probe_interval:
             return 0
         if k == 0 and self._steps - self._last_drafted_step >= self.probe_interval:
-            return best_k(self.alpha, self.c, self.k_max)
+            return best_k(self.alpha, c, self.k_max)
         return k
 
     def record_step(
@@ -176,4 +189,4 @@ class AutoKController:
                 plain.last_step = self._steps
         elif plain is not None:
             # weighted by k_drafted: a step that drafted little says little about the cost per draft
-            self._c.update(seconds / plain.seconds.value - 1.0, drafted_per_row)
+            self._c_estimate(num_rows).update(seconds / plain.seconds.value - 1.0, drafted_per_row)

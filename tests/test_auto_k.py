@@ -102,7 +102,7 @@ def test_controller_converges_to_the_formulas_k(alpha, c):
     controller = AutoKController(k_max=8, probe_interval=32)
     chosen = simulate(controller, alpha, lambda rows: c, lambda step: 4, steps=400)
     assert controller.alpha == pytest.approx(alpha, abs=0.08)
-    assert controller.c == pytest.approx(c, abs=0.02)
+    assert controller.c(4) == pytest.approx(c, abs=0.02)
     expected = choose_k(alpha, c, 8)
     assert expected > 0
     late = chosen[200:]
@@ -110,7 +110,7 @@ def test_controller_converges_to_the_formulas_k(alpha, c):
     assert sum(k == 0 for k in late) <= len(late) // 32 + 1
     decided = [k for k in late if k > 0]
     assert abs(max(set(decided), key=decided.count) - expected) <= 1
-    assert abs(choose_k(controller.alpha, controller.c, 8) - expected) <= 1
+    assert abs(choose_k(controller.alpha, controller.c(4), 8) - expected) <= 1
 
 
 def test_controller_probes_plain_steps_per_batch_size():
@@ -127,8 +127,8 @@ def test_controller_turns_speculation_off_when_drafts_cost_too_much():
     # cheap at batch 1, expensive at batch 8 (the verify forward grows with the batch)
     controller = AutoKController(k_max=8, probe_interval=32)
     chosen = simulate(controller, 0.6, lambda rows: 0.02 if rows == 1 else 1.0, lambda step: 8, steps=300)
-    assert controller.c > 0.5
-    assert choose_k(controller.alpha, controller.c, 8) == 0
+    assert controller.c(8) > 0.5
+    assert choose_k(controller.alpha, controller.c(8), 8) == 0
     late = chosen[100:]
     assert sum(k > 0 for k in late) <= len(late) // 32 + 1  # only the exploratory steps draft
     assert any(k > 0 for k in late), "speculation must be retried now and then"
@@ -136,6 +136,22 @@ def test_controller_turns_speculation_off_when_drafts_cost_too_much():
     cheap = AutoKController(k_max=8, probe_interval=32)
     chosen = simulate(cheap, 0.6, lambda rows: 0.02 if rows == 1 else 1.0, lambda step: 1, steps=300)
     assert sum(k > 0 for k in chosen[100:]) > 0.9 * 200
+
+
+def test_controller_keeps_c_per_batch_size():
+    # rows finish: 8 rows where drafts cost too much, then the last row alone, where they are cheap
+    def rows_of_step(step):
+        return 8 if step < 150 else 1
+
+    controller = AutoKController(k_max=8, probe_interval=32)
+    chosen = simulate(controller, 0.6, lambda rows: 0.02 if rows == 1 else 1.0, rows_of_step, steps=200)
+    assert controller.c(8) > 0.5 and controller.c(1) == pytest.approx(0.02, abs=0.02)
+    assert sum(k > 0 for k in chosen[100:150]) <= 2  # off at 8 rows (an exploratory step at most)
+    # alone, the row speculates at once: its c is its own, not the 8-row batch's (a shared c, decaying
+    # 0.9 per step from above 0.5, would keep it off for ten steps or more)
+    assert chosen[150] == 0  # the plain probe a new batch size needs
+    assert sum(k > 0 for k in chosen[151:200]) >= 47  # then drafts, but for one periodic probe
+    assert controller.c(4) == pytest.approx(0.1)  # an unmeasured size: the prior
 
 
 def test_controller_rejects_bad_arguments():
