@@ -23,6 +23,10 @@ def main() -> None:
     model, tokenizer = load_smollm2()
     hf_specdec.enable(model)  # the one opt-in line
     prompts = humaneval_prompts(tokenizer, limit=3)
+    # one short untimed call first: on first use numba compiles the n-gram matcher, and the fp32 CPU
+    # linears' routes are timed once ("auto", a few seconds): neither belongs in the tokens/s below
+    warmup = tokenizer([prompts[0]], return_tensors="pt")
+    model.generate(**warmup, max_new_tokens=2, do_sample=False, speculative_config=SPECULATIVE_CONFIG)
     plain_tokens = spec_tokens = 0
     plain_seconds = spec_seconds = 0.0
     for prompt in prompts:
