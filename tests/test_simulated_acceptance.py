@@ -87,3 +87,23 @@ def test_simulated_hits_replay_speculative_generate(fitted_head, k):
     assert metrics["num_accepted_tokens"] >= 0.3 * metrics["num_draft_tokens"], metrics  # the hits matter
     assert metrics["num_draft_tokens"] == drafted
     assert metrics["num_accepted_tokens_per_pos"] == accepted_per_pos
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_unrolled_steps_label_only_positions_inside_the_sequence(fitted_head, method):
+    """Unrolled step j of pair i is labelled by the target at position i + 1 + j. Past the
+    sequence's end there is no label (and, for EAGLE's regression, no next feature): step j scores
+    exactly the loss_mask[:, 2 + j:] positions. (Padding past the end with label index 0 once gave
+    the last j pairs of every row the batch's first label, and crashed EAGLE's regression.)"""
+    model, _, sequences, folder = fitted_head
+    if method == "eagle3":
+        head = load_eagle_head(folder, target=model, method="eagle3")  # its draft vocabulary is the whole one
+    else:
+        head = EagleHead.for_target(model, "eagle", seed=0)
+    loss_mask = torch.zeros_like(sequences)
+    loss_mask[:, PROMPT_LEN:] = 1
+    states = run_target(model, sequences, head.feature_layers_for(len(model.model.layers)))
+    with torch.no_grad():
+        out = DraftTrainingObjective(head, num_steps=TTT_STEPS)(sequences, loss_mask, states, model.get_output_embeddings())
+    assert out["counted"].tolist() == [int(loss_mask[:, 2 + j :].sum()) for j in range(TTT_STEPS)]
+    assert torch.isfinite(out["loss_sum"])

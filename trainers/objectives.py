@@ -82,9 +82,9 @@ def target_labels(
     return argmax, in_draft_vocab, probs
 
 
-def shifted(tokens: torch.Tensor, shift: int, width: int) -> torch.Tensor:
-    """`tokens[:, shift : shift + width]`, padded with 0 past the end."""
-    out = tokens.new_zeros(tokens.shape[0], width)
+def shifted(tokens: torch.Tensor, shift: int, width: int, fill: int = 0) -> torch.Tensor:
+    """`tokens[:, shift : shift + width]`, padded with `fill` past the end."""
+    out = tokens.new_full((tokens.shape[0], width), fill)
     piece = tokens[:, shift : shift + width]
     out[:, : piece.shape[1]] = piece
     return out
@@ -149,7 +149,8 @@ class DraftTrainingObjective(nn.Module):
                 cache=cache,
                 attention_mask=None if step == 0 else unroll_mask(pairs, step, device),
             )
-            index = shifted(label_index, 1 + step, pairs)
+            # past the sequence's end there is no label: -1, not the index 0 of the batch's first label
+            index = shifted(label_index, 1 + step, pairs, fill=-1)
             rows, cols = (index >= 0).nonzero(as_tuple=True)
             labels = index[rows, cols]
             keep = in_draft_vocab[labels]
@@ -170,7 +171,7 @@ class DraftTrainingObjective(nn.Module):
             features = hidden
         with torch.no_grad():
             # simulated acceptance length of a k = num_steps chain drafted from pair i: its leading hits
-            starts = shifted(label_index, 1, pairs) >= 0
+            starts = shifted(label_index, 1, pairs, fill=-1) >= 0
             leading = hits.long().cumprod(dim=-1).sum(dim=-1)
         out = {
             "loss_sum": loss_sum,
