@@ -266,6 +266,8 @@ def main(argv: list[str] | None = None) -> Path:
         if checkpoint is None:
             raise ValueError(f"--resume: no checkpoint under {str(output / CHECKPOINTS)!r}")
         accelerator.load_state(str(checkpoint))
+        if accelerator.is_main_process:
+            _drop_log_records_after(output / TRAIN_LOG, progress.step)
         accelerator.print(f"resumed from {checkpoint} at step {progress.step}")
     if log_with:
         accelerator.init_trackers("eagle_head", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
@@ -364,6 +366,13 @@ def _log(accelerator, output: Path, record: dict, log_with) -> None:
         if any(key.startswith("eval/") for key in record):
             summary = ", ".join(f"{k[5:]} {v:.4f}" for k, v in record.items() if k.startswith("eval/"))
             accelerator.print(f"step {record['step']}: {summary}")
+
+
+def _drop_log_records_after(log_path: Path, step: int) -> None:
+    """A killed run may have logged steps past its last checkpoint; the resumed run logs them again."""
+    if log_path.exists():
+        kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        log_path.write_text("".join(line + "\n" for line in kept))
 
 
 def _save_checkpoint(accelerator, output: Path, step: int, keep: int) -> None:
