@@ -1,5 +1,5 @@
-"""fp32 `nn.Linear` on CPU through the fastest of torch's BLAS, oneDNN and a small-batch numba
-kernel, chosen per input row count by measuring them on the machine at hand.
+"""fp32 `nn.Linear` on CPU through the fastest of torch's BLAS (asked two ways), oneDNN and a
+small-batch numba kernel, chosen per input row count by measuring them on the machine at hand.
 
 Why: a decode or verify step is bound by reading the weights once, so a verify forward over
 k+1 tokens should cost about what a one-token step costs. Which GEMM gets there depends on the
@@ -9,6 +9,9 @@ CPU, and no library is best everywhere:
   MKL took about 2x longer for 2..9 input rows than for one (SmolLM2's 49k-row lm_head: 8.8 ms
   for 1 row, 20 ms for 2); on an Intel Xeon (AVX-512) it is the fastest route up to 3 rows
   (whole SmolLM2 forwards of 1 / 2 / 3 tokens: 40 / 45 / 47 ms) and doubles at 4 (74 ms).
+- the same BLAS asked for weight @ x.T instead of x @ weight.T ("torch_t"): on that Xeon MKL then
+  streams the weight once for 4 to ~48 rows (16-token forwards 124 ms against 195 as x @ weight.T
+  and 138 on oneDNN), though it is the slower way for 1-3 rows.
 - oneDNN, which torch ships, packs the weight on every call: slow for 1-2 rows, the best from
   about 6 rows on (Xeon: 73 ms for 6 tokens, 89 for 16).
 - `_small_batch_linear`, our numba kernel: each weight row is read once and dotted with every
@@ -106,6 +109,15 @@ def _torch_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
+def _torch_transposed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The same product as `F.linear`, asked of the BLAS as weight @ x.T: for 4 to ~48 rows MKL
+    streams the weight once this way, where its x @ weight.T path slows down (see the module doc)."""
+    rows = x.numel() // self.in_features
+    x_t = x.reshape(rows, self.in_features).t()
+    out_t = torch.mm(self.weight, x_t) if self.bias is None else torch.addmm(self.bias.unsqueeze(1), self.weight, x_t)
+    return out_t.t().contiguous().view(*x.shape[:-1], self.out_features)
+
+
 def _numba_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // self.in_features
     if not _inference_fp32_cpu(x) or rows > SMALL_BATCH_ROWS:
@@ -121,6 +133,7 @@ _FORWARDS: dict[str, Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]] = 
     "numba": _numba_forward,
     "onednn": _onednn_forward,
     "torch": _torch_forward,
+    "torch_t": _torch_transposed_forward,
 }
 
 
@@ -165,11 +178,11 @@ def plan_backends(
     linears: Sequence[torch.nn.Linear], rows: Sequence[int] = PLAN_ROWS, time_pass: PassTimer = _time_pass,
     repeats: int = PLAN_REPEATS,
 ) -> BackendPlan:
-    """Time torch's BLAS, oneDNN (where torch has it) and the numba kernel (up to `SMALL_BATCH_ROWS`
+    """Time torch's BLAS (as x @ weight.T and as weight @ x.T), oneDNN (where torch has it) and the numba kernel (up to `SMALL_BATCH_ROWS`
     rows) over passes through `linears` at each row count; the median of `repeats` passes, taken
     in a rotating order so that drift hits every route alike, picks the route for that count.
     """
-    routes = ["torch", *(["onednn"] if onednn_available() else []), "numba"]
+    routes = ["torch", "torch_t", *(["onednn"] if onednn_available() else []), "numba"]
     with torch.no_grad():
         for route in routes:  # first calls pay one-time costs (numba loading its compiled kernel)
             time_pass(route, 1, linears)

@@ -48,6 +48,19 @@ def test_numba_linear_matches_float64(rows, bias):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_transposed_torch_route_matches_float64(rows, bias):
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(96, 200, bias=bias)
+    x = torch.randn(2, rows, 96)
+    expected = torch.nn.functional.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    with torch.no_grad():
+        got = cpu_linear._FORWARDS["torch_t"](layer, x)
+    assert got.dtype == torch.float32 and got.shape == (2, rows, 200) and got.is_contiguous()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_numba_backend_routes_by_row_count(monkeypatch):
     # the kernel must really run up to SMALL_BATCH_ROWS rows (a fallback would pass the value tests)
     kernel_rows = []
@@ -201,25 +214,26 @@ def test_onednn_demanded_where_missing(monkeypatch, tiny_llama):
     plan = plan_backends(
         [torch.nn.Linear(8, 8)], rows=(1, 16), repeats=1, time_pass=lambda route, rows, linears: timed.append(route) or 1.0
     )
-    assert "onednn" not in timed and set(plan.backends) <= {"torch", "numba"}  # never plans a missing route
+    assert "onednn" not in timed and set(plan.backends) <= {"torch", "torch_t", "numba"}  # never plans a missing route
 
 
 # --- "auto": the route measured fastest per row count ---------------------------------------------
 def test_plan_takes_the_fastest_route_per_row_count():
-    # a machine where torch's BLAS wins up to 3 rows, numba at 4, oneDNN from 8 (an Intel Xeon's shape)
+    # a machine where torch's BLAS wins up to 3 rows, numba at 4, oneDNN at 8, weight @ x.T at 16
     def time_pass(route, rows, linears):
-        return {"torch": 1.0 if rows <= 3 else 3.0, "numba": 2.0 if rows != 4 else 0.5, "onednn": 2.5 if rows < 8 else 1.5}[route]
+        return {"torch": 1.0 if rows <= 3 else 3.0, "numba": 2.0 if rows != 4 else 0.5, "onednn": 2.5 if rows < 8 else 1.5,
+                "torch_t": 1.2 if rows == 16 else 4.0}[route]
 
     timed = []
     plan = plan_backends([torch.nn.Linear(8, 8)], rows=(1, 3, 4, 8, 16), repeats=3,
                          time_pass=lambda route, rows, linears: timed.append((route, rows)) or time_pass(route, rows, linears))
-    assert plan == BackendPlan(rows=(1, 3, 4, 8, 16), backends=("torch", "torch", "numba", "onednn", "onednn"))
+    assert plan == BackendPlan(rows=(1, 3, 4, 8, 16), backends=("torch", "torch", "numba", "onednn", "torch_t"))
     assert ("numba", 16) not in timed  # the kernel's limit is SMALL_BATCH_ROWS
-    assert sum(1 for route, rows in timed if rows == 8) == 3 * 3  # every route, every repeat
+    assert sum(1 for route, rows in timed if rows == 8) == 4 * 3  # every route, every repeat
     assert [plan.backend_for(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17, 500)] == [
-        "torch", "torch", "torch", "numba", "onednn", "onednn", "onednn", "onednn", "torch", "torch"
+        "torch", "torch", "torch", "numba", "onednn", "onednn", "torch_t", "torch_t", "torch", "torch"
     ]  # between measured counts the next one up; past the last, torch's BLAS (prefills, as plain generate)
-    assert plan.describe() == "rows 1-3: torch, 4: numba, 5-16: onednn, more: torch"
+    assert plan.describe() == "rows 1-3: torch, 4: numba, 5-8: onednn, 9-16: torch_t, more: torch"
 
 
 def test_auto_runs_each_row_count_through_its_planned_route(monkeypatch, tiny_llama):
@@ -260,4 +274,4 @@ def test_real_plan_uses_only_available_routes(tiny_llama):
     plan = plan_backends([m for m in tiny_llama.modules() if isinstance(m, torch.nn.Linear)], repeats=1)
     assert plan.rows == cpu_linear.PLAN_ROWS and len(plan.backends) == len(plan.rows)
     for rows, route in zip(plan.rows, plan.backends):
-        assert route in ({"torch", "onednn", "numba"} if rows <= SMALL_BATCH_ROWS else {"torch", "onednn"})
+        assert route in ({"torch", "torch_t", "onednn"} | ({"numba"} if rows <= SMALL_BATCH_ROWS else set()))
