@@ -82,11 +82,13 @@ def load_head(source: str, target, architecture: str | None) -> EagleHead:
 def simulated_acceptance(head: EagleHead, target, data, steps: int, states: dict) -> dict:
     objective = DraftTrainingObjective(head.eval(), num_steps=steps).eval()
     totals: dict[str, torch.Tensor] = {}
+    feature_layers = head.feature_layers_for(len(target.model.layers))
     for begin in range(0, len(data), 4):
         batch = collate(data, list(range(begin, min(begin + 4, len(data)))))
-        if begin not in states:  # the target's features do not depend on the head: computed once
-            states[begin] = run_target(target, batch.input_ids, head.feature_layers_for(len(target.model.layers)))
-        out = objective(batch.input_ids, batch.loss_mask, states[begin], target.get_output_embeddings())
+        key = (begin, feature_layers)
+        if key not in states:  # the target's features depend only on the layers read: computed once per set
+            states[key] = run_target(target, batch.input_ids, feature_layers)
+        out = objective(batch.input_ids, batch.loss_mask, states[key], target.get_output_embeddings())
         for key, value in out.items():
             totals[key] = totals.get(key, 0) + value
     return {

@@ -107,3 +107,28 @@ def test_unrolled_steps_label_only_positions_inside_the_sequence(fitted_head, me
         out = DraftTrainingObjective(head, num_steps=TTT_STEPS)(sequences, loss_mask, states, model.get_output_embeddings())
     assert out["counted"].tolist() == [int(loss_mask[:, 2 + j :].sum()) for j in range(TTT_STEPS)]
     assert torch.isfinite(out["loss_sum"])
+
+
+def test_head_acceptance_benchmark_scores_heads_of_both_methods_in_one_run(fitted_head):
+    """`benchmarks/head_acceptance.py` keeps the target's features between heads: an EAGLE head (the
+    last hidden state) and an EAGLE-3 head (three layers concatenated) read different ones, and
+    each must score as it does alone (the shared cache once fed EAGLE's features to EAGLE-3)."""
+    import importlib.util
+    from pathlib import Path
+
+    from hf_specdec.trainers.data import TokenizedData
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "head_acceptance.py"
+    spec = importlib.util.spec_from_file_location("head_acceptance", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model, _, sequences, folder = fitted_head
+    data = TokenizedData(
+        input_ids=sequences.tolist(), loss_masks=[[0] * PROMPT_LEN + [1] * MAX_NEW_TOKENS for _ in sequences]
+    )
+    heads = [EagleHead.for_target(model, "eagle", seed=0), load_eagle_head(folder, target=model, method="eagle3")]
+    shared: dict = {}
+    together = [bench.simulated_acceptance(head, model, data, TTT_STEPS, shared) for head in heads]
+    alone = [bench.simulated_acceptance(head, model, data, TTT_STEPS, {}) for head in heads]
+    assert together == alone
+    assert together[1]["tau"] > 1.5  # the fitted EAGLE-3 head: a real score, not a degenerate one
