@@ -178,8 +178,8 @@ def plan_backends(
     linears: Sequence[torch.nn.Linear], rows: Sequence[int] = PLAN_ROWS, time_pass: PassTimer = _time_pass,
     repeats: int = PLAN_REPEATS,
 ) -> BackendPlan:
-    """Time torch's BLAS (as x @ weight.T and as weight @ x.T), oneDNN (where torch has it) and the numba kernel (up to `SMALL_BATCH_ROWS`
-    rows) over passes through `linears` at each row count; the median of `repeats` passes, taken
+    """Time torch's BLAS (as x @ weight.T and as weight @ x.T), oneDNN (where torch has it) and
+    the numba kernel (up to `SMALL_BATCH_ROWS` rows) over passes through `linears` at each row count; the median of `repeats` passes, taken
     in a rotating order so that drift hits every route alike, picks the route for that count.
     """
     routes = ["torch", "torch_t", *(["onednn"] if onednn_available() else []), "numba"]

@@ -192,6 +192,26 @@ def test_generate_identical_with_every_backend(enabled_llama, backend):
     assert _patched(enabled_llama) == []
 
 
+@pytest.mark.parametrize("route", ["torch_t", "numba", "onednn"])
+def test_generate_identical_with_every_planned_route(monkeypatch, enabled_llama, route):
+    # "auto" may plan any route for any row count: each, given every row count, keeps greedy identity
+    plan = BackendPlan(rows=(64,), backends=(route,))
+    monkeypatch.setattr(cpu_linear, "_plan_for", lambda linears: plan)
+    calls = []
+    forward = cpu_linear._FORWARDS[route]
+    monkeypatch.setitem(cpu_linear._FORWARDS, route, lambda self, x: calls.append(x.shape) or forward(self, x))
+    ids = torch.randint(3, 40, (2, 12))
+    ids[:, 6:] = ids[:, :6]  # a repeated span, so n-gram drafts get accepted
+    plain = enabled_llama.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=PAD_TOKEN_ID)
+    out = enabled_llama.generate(
+        ids, max_new_tokens=24, do_sample=False, pad_token_id=PAD_TOKEN_ID, return_dict_in_generate=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "cpu_linear_backend": "auto"},
+    )  # fmt: skip
+    assert torch.equal(out.sequences, plain)
+    assert out.spec_metrics["num_accepted_tokens"] > 0
+    assert any(shape[-2] > 1 for shape in calls)  # the route ran the multi-token verifies, not only decode steps
+
+
 def test_bad_backend_names_the_field():
     with pytest.raises(ValueError, match=r"cpu_linear_backend='mkl' is unknown; allowed: auto, numba, onednn, torch"):
         hf_specdec.SpeculativeConfig(cpu_linear_backend="mkl")
