@@ -67,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
         help="speculative_config.cpu_linear_backend of ours (default auto: the route measured fastest per row count)",
     )
     bench.add_argument(
+        "--compare-cpu-linear-backends",
+        type=_backends,
+        help="also time ours with each of these cpu_linear_backends, e.g. torch,onednn (arms ours_<backend>)",
+    )
+    bench.add_argument(
         "--plain-fast-linears",
         action="store_true",
         help="also time plain generate() with the fast CPU linears ours uses (speculation's own share)",
@@ -101,6 +106,17 @@ def _ks(value: str) -> tuple[int, ...]:
     return ks
 
 
+def _backends(value: str) -> tuple[str, ...]:
+    backends = tuple(value.split(","))
+    unknown = [backend for backend in backends if backend not in CPU_LINEAR_BACKENDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"--compare-cpu-linear-backends={value!r}: allowed: any of {', '.join(CPU_LINEAR_BACKENDS)}, "
+            "separated by commas"
+        )
+    return backends
+
+
 def _bench(args: argparse.Namespace) -> int:
     # imported here: `hf-specdec --help` should not wait for transformers' model code
     from .bench import BenchSettings, format_table, load_prompts, run_benchmark, write_json, write_speedup_png
@@ -128,8 +144,10 @@ def _bench(args: argparse.Namespace) -> int:
         early_exit_layer=args.early_exit_layer,
         extra_config=extra,
         plain_fast_linears=args.plain_fast_linears,
+        cpu_linear_backends=args.compare_cpu_linear_backends or (),
     )
-    settings.speculative_config(settings.k)  # a bad setting fails now, not after loading the model
+    for backend in (None, *settings.cpu_linear_backends):  # a bad setting fails now, not after loading the model
+        settings.speculative_config(settings.k, cpu_linear_backend=backend)
     if args.batch_size < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         raise ValueError("--batch-size and --num-prompts: allowed: integers >= 1")
     model, tokenizer = load_target(args.model, DTYPES[args.dtype], args.device)

@@ -104,6 +104,25 @@ def test_bench_batched_layer_skip_has_no_transformers_arm(model_folder, prompts_
     assert results["arms"]["ours"]["k_chosen_counts"][2] > 0
 
 
+def test_bench_compares_cpu_linear_backends(model_folder, prompts_file, tmp_path):
+    out = tmp_path / "results.json"
+    status = cli.main(
+        bench_args(model_folder, prompts_file, "--method", "ngram", "--k", "2", "--batch-size", "2",
+                   "--cpu-linear-backend", "torch", "--compare-cpu-linear-backends", "auto,torch,numba",
+                   "--out", str(out))
+    )  # fmt: skip
+    assert status == 0
+    results = json.loads(out.read_text())
+    # ours runs torch itself: no second torch arm
+    assert list(results["arms"]) == ["plain", "ours", "ours_auto", "ours_numba"]
+    assert results["settings"]["cpu_linear_backends"] == ["auto", "torch", "numba"]
+    for name in ("ours", "ours_auto", "ours_numba"):
+        arm = results["arms"][name]
+        assert arm["k"] == 2 and arm["identical_fraction"] == 1.0 and arm["tokens_per_s"] > 0
+        assert SPEC_KEYS <= set(arm), name
+    assert results["cpu_linear_plan"]["rows"] == list(PLAN_ROWS)  # an "auto" arm ran: its plan is reported
+
+
 @pytest.mark.parametrize(
     "extra,fragment",
     [
@@ -112,6 +131,7 @@ def test_bench_batched_layer_skip_has_no_transformers_arm(model_folder, prompts_
         (["--method", "ngram", "--k", "3", "--max-speculative-tokens", "4"], "max_speculative_tokens"),
         (["--method", "layer_skip", "--k", "3"], "early_exit_layer"),
         (["--method", "ngram", "--ks", "1,two"], "--ks"),
+        (["--method", "ngram", "--compare-cpu-linear-backends", "torch,blas"], "--compare-cpu-linear-backends"),
     ],
 )
 def test_bench_bad_arguments_exit_with_a_message(model_folder, prompts_file, capsys, extra, fragment):

@@ -8,7 +8,9 @@
   only: its assisted generation refuses larger batches): prompt lookup for ngram, an assistant
   model for draft_model, `assistant_early_exit` for layer_skip, `use_mtp` for mtp;
 - "ours": `speculative_config` at the requested k (or "auto");
-- "ours_k{k}": ours at each k of the sweep (the speedup-vs-k plot).
+- "ours_k{k}": ours at each k of the sweep (the speedup-vs-k plot);
+- "ours_{backend}": ours at the requested k with another fp32 CPU linear backend, one per backend
+  asked for: an A/B of the GEMM routes, interleaved like every other arm.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class BenchSettings:
         early_exit_layer: layer_skip's N.
         extra_config: more speculative_config keys, for every arm of ours (prompt_lookup_min, ...).
         plain_fast_linears: add the "plain_fast_linears" arm.
+        cpu_linear_backends: more arms of ours, one per `cpu_linear_backend` named ("ours_<backend>").
     """
 
     method: str = "ngram"
@@ -48,10 +51,14 @@ class BenchSettings:
     early_exit_layer: int | None = None
     extra_config: dict = field(default_factory=dict)
     plain_fast_linears: bool = False
+    cpu_linear_backends: tuple[str, ...] = ()
 
-    def speculative_config(self, k: int | str) -> SpeculativeConfig:
-        """Our config at `k` (validated: a bad setting fails before any run)."""
+    def speculative_config(self, k: int | str, cpu_linear_backend: str | None = None) -> SpeculativeConfig:
+        """Our config at `k`, with `cpu_linear_backend` where given (validated: a bad setting fails
+        before any run)."""
         config = {"method": self.method, "num_speculative_tokens": k, **self.extra_config}
+        if cpu_linear_backend is not None:
+            config["cpu_linear_backend"] = cpu_linear_backend
         if self.draft is not None:
             config["model"] = self.draft
         if self.early_exit_layer is not None:
@@ -61,7 +68,12 @@ class BenchSettings:
     def to_dict(self) -> dict:
         """JSON-friendly: a loaded draft is named by its class."""
         draft = self.draft if self.draft is None or isinstance(self.draft, str) else type(self.draft).__name__
-        return {**self.__dict__, "draft": draft, "sweep_ks": list(self.sweep_ks)}
+        return {
+            **self.__dict__,
+            "draft": draft,
+            "sweep_ks": list(self.sweep_ks),
+            "cpu_linear_backends": list(self.cpu_linear_backends),
+        }
 
 
 @dataclass
@@ -76,7 +88,8 @@ class Arm:
 
 
 def build_arms(settings: BenchSettings, model: PreTrainedModel) -> list[Arm]:
-    """plain, plain_fast_linears (if asked), transformers' own (batch size 1, where it exists), ours, then the sweep's other ks."""
+    """plain, plain_fast_linears (if asked), transformers' own (batch size 1, where it exists), ours,
+    the sweep's other ks, then ours with each other CPU linear backend asked for."""
     ours = settings.speculative_config(settings.k)
     arms = [Arm("plain", {})]
     if settings.plain_fast_linears:
@@ -89,6 +102,10 @@ def build_arms(settings: BenchSettings, model: PreTrainedModel) -> list[Arm]:
     for k in settings.sweep_ks:
         if k != settings.k:
             arms.append(Arm(f"ours_k{k}", _ours_kwargs(settings.speculative_config(k)), k))
+    for backend in settings.cpu_linear_backends:
+        if backend != ours.cpu_linear_backend:
+            config = settings.speculative_config(settings.k, cpu_linear_backend=backend)
+            arms.append(Arm(f"ours_{backend}", _ours_kwargs(config), settings.k))
     return arms
 
 

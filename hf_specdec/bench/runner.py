@@ -104,7 +104,8 @@ def run_benchmark(
         )
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     results = summarize(runs, settings, num_prompts=len(prompts), weight_bytes=weight_bytes)
-    if resolve_backend(settings.speculative_config(settings.k).cpu_linear_backend, [model]) == "auto":
+    backends = {settings.speculative_config(settings.k).cpu_linear_backend, *settings.cpu_linear_backends}
+    if any(resolve_backend(backend, [model]) == "auto" for backend in backends):
         plan = linear_plan(model)  # measured during the warm-up calls: the routes "auto" ran the target's linears by
         results["cpu_linear_plan"] = {"rows": list(plan.rows), "backends": list(plan.backends), "text": plan.describe()}
     return results
