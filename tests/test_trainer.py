@@ -161,8 +161,12 @@ def test_init_from_continues_a_trained_head(target_folder, data_file, tmp_path):
     # (architecture and draft vocabulary included; a bf16 round trip hides a 1e-12 update)
     still = tmp_path / "still"
     still_log = _train(target_folder, data_file, still, *common, "--init-from", str(first), "--lr", "1e-12",
-                       "--max-steps", "1")
-    assert json.loads((still / "trainer_state.json").read_text())["init_from"] == str(first)
+                       "--max-steps", "1", "--seed", "3")
+    first_state, still_state = (json.loads((f / "trainer_state.json").read_text()) for f in (first, still))
+    assert still_state["init_from"] == str(first)
+    # another data order (--seed), the same held-out records: what the first run held out stays unseen
+    assert still_state["held_out"] == first_state["held_out"]
+    assert first_state["held_out"]["seed"] == 0 and first_state["held_out"]["records"] == 6
     assert f"(continuing the head {first})" in (still / "README.md").read_text()
     kept = load_file(str(still / "model.safetensors"))
     assert sorted(kept) == sorted(trained)

@@ -19,6 +19,7 @@ config.json, model.safetensors, README.md (model card), plus trainer_state.json.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import shutil
@@ -73,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in total")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--eval-fraction", type=float, default=0.02, help="records held out for evaluation")
+    parser.add_argument("--eval-seed", type=int, default=0,
+                        help="seed of the held-out split, apart from --seed: runs that continue a head with "
+                        "another data order (--init-from, another --seed) hold out the same records")
     parser.add_argument("--eval-every", type=int, default=200, help="steps between held-out evaluations (0: only at the end)")
     parser.add_argument("--max-eval-records", type=int, default=128)
     parser.add_argument("--save-every", type=int, default=200, help="steps between checkpoints (0: none)")
@@ -95,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--draft-vocab-size is for --method eagle3; EAGLE heads draft over the target's whole vocabulary")
     minimums = {"num_layers": 1, "draft_vocab_size": 1, "ttt_steps": 1, "max_length": 2, "batch_size": 1, "num_epochs": 1, "max_steps": 1,
                 "max_records": 1, "max_eval_records": 1, "warmup_steps": 0, "eval_every": 0, "save_every": 0,
-                "keep_checkpoints": 0, "seed": 0, "num_threads": 1}
+                "keep_checkpoints": 0, "seed": 0, "eval_seed": 0, "num_threads": 1}
     for name, minimum in minimums.items():
         value = getattr(args, name)
         if value is not None and value < minimum:
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> Path:
     if args.max_records is not None:
         records = records.select(range(min(args.max_records, len(records))))
     data = tokenize_records(records, tokenizer, args.max_length)
-    train_ids, eval_ids = split_train_eval(len(data), args.eval_fraction, args.seed)
+    train_ids, eval_ids = split_train_eval(len(data), args.eval_fraction, args.eval_seed)
     train_data, eval_data = data.subset(train_ids), data.subset(eval_ids[: args.max_eval_records])
     head = build_head(args, target, train_data)
     feature_layers = head.feature_layers_for(len(target.model.layers))
@@ -316,7 +320,10 @@ def main(argv: list[str] | None = None) -> Path:
     if log_with:
         accelerator.end_training()
     if accelerator.is_main_process:
-        _write_output(args, accelerator.unwrap_model(objective).head, output, progress, eval_metrics, len(train_data))
+        held_out = {"seed": args.eval_seed, "records": len(eval_ids), "evaluated": len(eval_data.input_ids),
+                    "ids_sha256": hashlib.sha256(",".join(map(str, eval_ids)).encode()).hexdigest()}
+        _write_output(args, accelerator.unwrap_model(objective).head, output, progress, eval_metrics, len(train_data),
+                      held_out)
     accelerator.wait_for_everyone()
     return output
 
@@ -348,8 +355,6 @@ def _target_states(args, accelerator, target, feature_layers, train_data, eval_d
 
 
 def _tokens_hash(data: TokenizedData) -> str:
-    import hashlib
-
     digest = hashlib.sha256()
     for ids, mask in zip(data.input_ids, data.loss_masks):
         digest.update(json.dumps([ids, mask]).encode())
@@ -385,8 +390,10 @@ def _save_checkpoint(accelerator, output: Path, step: int, keep: int) -> None:
 
 
 def _write_output(args, head: EagleHead, output: Path, progress: TrainingProgress, eval_metrics: dict,
-                  num_train_records: int) -> None:
-    """The Hub-ready folder: the head in --save-dtype, its card, and how it was trained."""
+                  num_train_records: int, held_out: dict) -> None:
+    """The Hub-ready folder: the head in --save-dtype, its card, and how it was trained (`held_out`
+    names the evaluation records by their split seed, count and a hash of their indices, so a run
+    continuing this head can check it holds out the same ones)."""
     import copy
 
     saved = copy.deepcopy(head).to(getattr(torch, args.save_dtype)).eval()
@@ -397,6 +404,7 @@ def _write_output(args, head: EagleHead, output: Path, progress: TrainingProgres
         "init_from": args.init_from,
         "data": args.data,
         "num_train_records": num_train_records,
+        "held_out": held_out,
         "steps": progress.step,
         "epochs_completed": progress.epoch,
         "tokens_seen": progress.tokens_seen,
