@@ -179,8 +179,9 @@ def plan_backends(
     repeats: int = PLAN_REPEATS,
 ) -> BackendPlan:
     """Time torch's BLAS (as x @ weight.T and as weight @ x.T), oneDNN (where torch has it) and
-    the numba kernel (up to `SMALL_BATCH_ROWS` rows) over passes through `linears` at each row count; the median of `repeats` passes, taken
-    in a rotating order so that drift hits every route alike, picks the route for that count.
+    the numba kernel (up to `SMALL_BATCH_ROWS` rows) over passes through `linears` at each row
+    count; the median of `repeats` passes, taken in a rotating order so that drift hits every
+    route alike, picks the route for that count.
     """
     routes = ["torch", "torch_t", *(["onednn"] if onednn_available() else []), "numba"]
     with torch.no_grad():

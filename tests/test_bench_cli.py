@@ -11,6 +11,7 @@ import pytest
 from conftest import build_tiny_llama
 
 from hf_specdec import cli
+from hf_specdec.bench.arms import BenchSettings, build_arms
 from hf_specdec.cpu_linear import PLAN_ROWS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -121,6 +122,13 @@ def test_bench_compares_cpu_linear_backends(model_folder, prompts_file, tmp_path
         assert arm["k"] == 2 and arm["identical_fraction"] == 1.0 and arm["tokens_per_s"] > 0
         assert SPEC_KEYS <= set(arm), name
     assert results["cpu_linear_plan"]["rows"] == list(PLAN_ROWS)  # an "auto" arm ran: its plan is reported
+    # each extra arm carries its own backend, the rest of ours' config unchanged
+    settings = BenchSettings(method="ngram", k=2, extra_config={"cpu_linear_backend": "torch"},
+                             cpu_linear_backends=("auto", "torch", "numba"))  # fmt: skip
+    arms = {arm.name: arm for arm in build_arms(settings, build_tiny_llama())}
+    for name, backend in (("ours", "torch"), ("ours_auto", "auto"), ("ours_numba", "numba")):
+        config = arms[name].generate_kwargs["speculative_config"]
+        assert (config.cpu_linear_backend, config.method, config.num_speculative_tokens) == (backend, "ngram", 2)
 
 
 @pytest.mark.parametrize(

@@ -237,6 +237,7 @@ def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer, 
     for bad, field in ((["--method", "medusa"], "--method"), (["--ttt-steps", "0"], "--ttt-steps"),
                        (["--lr", "0"], "--lr"), (["--max-steps", "0"], "--max-steps"),
                        (["--save-every", "-1"], "--save-every"), (["--step-weight", "-0.5"], "--step-weight"),
+                       (["--eval-seed", "-1"], "--eval-seed"),
                        (["--draft-vocab-size", "0"], "--draft-vocab-size"),
                        (["--method", "eagle", "--draft-vocab-size", "64"], "--draft-vocab-size")):
         with pytest.raises(SystemExit):
