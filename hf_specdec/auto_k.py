@@ -7,7 +7,8 @@ probability alpha given that the ones before it were, a step with k drafts yield
     speedup(alpha, c, k) = (1 - alpha^(k+1)) / ((1 - alpha) (1 + c k))
 
 `choose_k` takes the k in 1..k_max that maximizes it, or 0 (no drafts: a plain decode step)
-when no k predicts a speedup above 1.
+when no k predicts a speedup above 1. `choose_k_for_costs` does the same with a measured cost per
+k in place of 1 + c k.
 
 `AutoKController` estimates alpha and c while generate() runs, per call:
 
@@ -31,6 +32,14 @@ when no k predicts a speedup above 1.
   it draft, and so measure its own cost, rather than inherit a larger batch's "drafts do not
   pay". Where c makes every k predict a loss, speculation turns itself off at that batch size:
   `disable_by_batch_size` from measurements.
+- cost per k: 1 + c k is a straight line, and a CPU's step cost is not: on the Intel Xeon a
+  SmolLM2 forward of 1 / 2 / 3 / 4 tokens takes 44 / 48 / 51 / 74 ms (torch's BLAS up to 3 rows,
+  another route above), and at batch 8 the verify crosses the fast kernel's row limit between
+  k=1 and k=2. One c fitted to the steps taken mispredicts the ks not taken, in both directions.
+  So each (active rows, k) also keeps the measured cost of its own steps, t_step / t_plain_step:
+  it starts from the line's price (weighing as one step), and each later step at that k counts
+  more than the ones before (the same decay). k is chosen on those costs. A k never run is priced
+  by the line, so a k that looks cheap there gets tried and from then on priced by what it cost.
 - t_plain_step: the loop's own steps that drafted nothing (no n-gram match, or k = 0), kept per
   number of active rows (rows leave the batch as they finish). When none is recent, the step
   is forced to k = 0: a probe costing one step's worth of drafts. The first step runs the
@@ -55,25 +64,45 @@ def predicted_speedup(alpha: float, c: float, k: int) -> float:
         raise ValueError(f"c={c!r} is out of range; allowed: c >= 0")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"k={k!r} is invalid; allowed: an integer >= 0")
-    # 1 + alpha + ... + alpha^k: the closed form's ratio, written as the sum so alpha -> 1 gives k + 1
-    tokens_per_step = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 - 1e-9 else k + 1.0
-    return tokens_per_step / (1 + c * k)
+    return expected_tokens(alpha, k) / (1 + c * k)
 
 
-def best_k(alpha: float, c: float, k_max: int) -> int:
-    """The k in 1..k_max with the highest predicted speedup: the smallest k within `TIE_TOLERANCE`
-    of the best (with c = 0 the speedup creeps up by float rounding only: more drafts, no gain)."""
-    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
-        raise ValueError(f"k_max={k_max!r} is invalid; allowed: an integer >= 1")
-    speedups = [predicted_speedup(alpha, c, k) for k in range(1, k_max + 1)]
+def expected_tokens(alpha: float, k: int) -> float:
+    """1 + alpha + ... + alpha^k: tokens a step with k drafts yields on average."""
+    return (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 - 1e-9 else k + 1.0
+
+
+def best_k_for_costs(alpha: float, step_costs: Sequence[float]) -> int:
+    """The k in 1..len(step_costs) with the most tokens per unit of cost (`step_costs[k - 1]`: a
+    step with k drafts, in plain steps): the smallest k within `TIE_TOLERANCE` of the best (with
+    free drafts the ratio creeps up by float rounding only: more drafts, no gain)."""
+    if not step_costs or any(cost <= 0 for cost in step_costs):
+        raise ValueError(f"step_costs={list(step_costs)!r} is invalid; allowed: one cost > 0 per k = 1, 2, ...")
+    speedups = [expected_tokens(alpha, k) / cost for k, cost in enumerate(step_costs, start=1)]
     best = max(speedups)
     return next(k for k, s in enumerate(speedups, start=1) if s >= best * (1 - TIE_TOLERANCE))
 
 
+def choose_k_for_costs(alpha: float, step_costs: Sequence[float]) -> int:
+    """`best_k_for_costs`, or 0 (decode without drafts) when no k predicts a speedup above 1."""
+    k = best_k_for_costs(alpha, step_costs)
+    return k if expected_tokens(alpha, k) / step_costs[k - 1] > 1.0 else 0
+
+
+def _line_costs(c: float, k_max: int) -> list[float]:
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
+        raise ValueError(f"k_max={k_max!r} is invalid; allowed: an integer >= 1")
+    return [1 + c * k for k in range(1, k_max + 1)]
+
+
+def best_k(alpha: float, c: float, k_max: int) -> int:
+    """The k in 1..k_max with the highest predicted speedup (`best_k_for_costs` on 1 + c k)."""
+    return best_k_for_costs(alpha, _line_costs(c, k_max))
+
+
 def choose_k(alpha: float, c: float, k_max: int) -> int:
     """`best_k`, or 0 (decode without drafts) when no k in 1..k_max predicts a speedup above 1."""
-    k = best_k(alpha, c, k_max)
-    return k if predicted_speedup(alpha, c, k) > 1.0 else 0
+    return choose_k_for_costs(alpha, _line_costs(c, k_max))
 
 
 @dataclass
@@ -131,6 +160,8 @@ class AutoKController:
         self._alpha = DecayedRatio(alpha_prior * prior_weight, prior_weight, decay)
         self._c_prior, self._prior_weight, self._decay = c_prior, prior_weight, decay
         self._c: dict[int, DecayedRatio] = {}  # by number of active rows
+        self._step_cost: dict[tuple[int, int], DecayedRatio] = {}  # by (active rows, k): t_step / t_plain_step
+        self._asked_k = 0  # the k the last next_k returned: the step record_step reports ran with it
         self._plain: dict[int, PlainStepTime] = {}  # by number of active rows
         self._steps = 0  # steps recorded so far
         self._last_drafted_step = 0
@@ -152,17 +183,27 @@ class AutoKController:
             )
         return estimate
 
+    def step_cost(self, num_rows: int, k: int) -> float:
+        """Estimated cost of a step with k drafts at `num_rows` active rows, in plain steps: measured
+        where steps with that k ran, else the line 1 + c k."""
+        measured = self._step_cost.get((num_rows, k))
+        return 1 + self.c(num_rows) * k if measured is None else measured.value
+
     def next_k(self, num_rows: int) -> int:
         """k for the next step of `num_rows` active rows: the formula's choice, or a probe."""
-        c = self.c(num_rows)
-        k = choose_k(self.alpha, c, self.k_max)
+        self._asked_k = self._choose(num_rows)
+        return self._asked_k
+
+    def _choose(self, num_rows: int) -> int:
+        costs = [self.step_cost(num_rows, k) for k in range(1, self.k_max + 1)]
+        k = choose_k_for_costs(self.alpha, costs)
         if self._steps == 0:  # the prefill step: no decode timing to take, speculate on the priors
             return k
         plain = self._plain.get(num_rows)
         if plain is None or self._steps - plain.last_step >= self.probe_interval:
             return 0
         if k == 0 and self._steps - self._last_drafted_step >= self.probe_interval:
-            return best_k(self.alpha, c, self.k_max)
+            return best_k_for_costs(self.alpha, costs)
         return k
 
     def record_step(
@@ -188,5 +229,10 @@ class AutoKController:
                 plain.seconds.update(seconds, 1.0)
                 plain.last_step = self._steps
         elif plain is not None:
+            cost = seconds / plain.seconds.value
+            key = (num_rows, self._asked_k)
+            if key not in self._step_cost:  # starts from the line's price, weighing as one step
+                self._step_cost[key] = DecayedRatio(self.step_cost(*key), 1.0, self._decay)
+            self._step_cost[key].update(cost, 1.0)
             # weighted by k_drafted: a step that drafted little says little about the cost per draft
-            self._c_estimate(num_rows).update(seconds / plain.seconds.value - 1.0, drafted_per_row)
+            self._c_estimate(num_rows).update(cost - 1.0, drafted_per_row)

@@ -12,7 +12,14 @@ from conftest import build_tiny_llama, ngram_config, plain_generate, repeated_sp
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig, decoding
-from hf_specdec.auto_k import AutoKController, best_k, choose_k, predicted_speedup
+from hf_specdec.auto_k import (
+    AutoKController,
+    best_k,
+    best_k_for_costs,
+    choose_k,
+    choose_k_for_costs,
+    predicted_speedup,
+)
 from hf_specdec.metrics import SpecDecodeMetrics
 
 # --- the formula ----------------------------------------------------------------------------------
@@ -75,9 +82,12 @@ def test_choose_k_known_values():
 # --- the running estimator ------------------------------------------------------------------------
 
 
-def simulate(controller: AutoKController, alpha: float, c_of_rows, rows_of_step, steps: int, seed: int = 0):
+def simulate(
+    controller: AutoKController, alpha: float, c_of_rows, rows_of_step, steps: int, seed: int = 0, cost_of=None
+):
     """Drive the controller with synthetic steps: every row drafts the k asked, accepts a geometric
-    run of them, and the step takes t_plain (1 + c k) seconds with 2 % noise. Returns the ks chosen."""
+    run of them, and the step takes t_plain (1 + c k) seconds (or t_plain cost_of(rows, k)) with 2 %
+    noise. Returns the ks chosen."""
     rng = random.Random(seed)
     chosen = []
     for step in range(steps):
@@ -92,7 +102,8 @@ def simulate(controller: AutoKController, alpha: float, c_of_rows, rows_of_step,
             accepted.append(n)
         # the first step also runs the prompts
         t_plain = 0.01 * (1 + 0.3 * rows) * (3.0 if step == 0 else 1.0)
-        seconds = t_plain * (1 + c_of_rows(rows) * k) * (1 + 0.02 * (rng.random() - 0.5))
+        cost = 1 + c_of_rows(rows) * k if cost_of is None else cost_of(rows, k)
+        seconds = t_plain * cost * (1 + 0.02 * (rng.random() - 0.5))
         controller.record_step(seconds, [k] * rows, accepted)
     return chosen
 
@@ -152,6 +163,41 @@ def test_controller_keeps_c_per_batch_size():
     assert chosen[150] == 0  # the plain probe a new batch size needs
     assert sum(k > 0 for k in chosen[151:200]) >= 47  # then drafts, but for one periodic probe
     assert controller.c(4) == pytest.approx(0.1)  # an unmeasured size: the prior
+
+
+def test_controller_prices_each_k_by_its_own_steps():
+    """A step cost that is not a line in k, as on the Intel Xeon (a forward of 1-3 new tokens per row
+    costs about one of 1, 4+ cost 1.5x): the k the measured costs favour, not the line's."""
+
+    def cost_of(rows, k):
+        return 1.0 if k == 0 else 1.05 if k <= 3 else 1.8
+
+    alpha = 0.7
+    assert choose_k_for_costs(alpha, [cost_of(1, k) for k in range(1, 9)]) == 3
+    controller = AutoKController(k_max=8, probe_interval=32)
+    chosen = simulate(controller, alpha, None, lambda step: 1, steps=400, cost_of=cost_of)
+    late = [k for k in chosen[100:] if k > 0]
+    assert late.count(3) >= 0.9 * len(late), sorted(set(late))
+    assert controller.step_cost(1, 3) == pytest.approx(1.05, abs=0.03)
+    # k = 8 looked cheap on the line at first: tried, then priced by what it cost (the line's prior
+    # still weighs as one step)
+    assert 8 in chosen and controller.step_cost(1, 8) > 1.5
+    # the single c fitted to the same steps (nearly all k = 3) prices k = 8 as cheap: on the line
+    # alone the controller kept trying 4+ (it chose 3 and 4 about equally)
+    assert 1 + controller.c(1) * 8 < 1.3
+
+
+def test_choose_k_for_costs():
+    assert choose_k_for_costs(0.7, [1.0, 1.0, 1.0]) == 3  # free drafts: as many as allowed
+    assert choose_k_for_costs(0.7, [1.1, 1.1, 1.5]) == 2
+    assert choose_k_for_costs(0.2, [1.5, 2.0]) == 0  # every k loses
+    assert best_k_for_costs(0.2, [1.5, 2.0]) == 1
+    # on the line 1 + c k it is choose_k
+    for alpha, c in [(0.8, 0.05), (0.55, 0.2), (0.1, 0.5)]:
+        assert choose_k_for_costs(alpha, [1 + c * k for k in range(1, 9)]) == choose_k(alpha, c, 8)
+    for bad in ([], [1.0, 0.0]):
+        with pytest.raises(ValueError, match="step_costs"):
+            best_k_for_costs(0.5, bad)
 
 
 def test_controller_rejects_bad_arguments():
