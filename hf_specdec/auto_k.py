@@ -161,7 +161,6 @@ class AutoKController:
         self._c_prior, self._prior_weight, self._decay = c_prior, prior_weight, decay
         self._c: dict[int, DecayedRatio] = {}  # by number of active rows
         self._step_cost: dict[tuple[int, int], DecayedRatio] = {}  # by (active rows, k): t_step / t_plain_step
-        self._asked_k = 0  # the k the last next_k returned: the step record_step reports ran with it
         self._plain: dict[int, PlainStepTime] = {}  # by number of active rows
         self._steps = 0  # steps recorded so far
         self._last_drafted_step = 0
@@ -191,10 +190,6 @@ class AutoKController:
 
     def next_k(self, num_rows: int) -> int:
         """k for the next step of `num_rows` active rows: the formula's choice, or a probe."""
-        self._asked_k = self._choose(num_rows)
-        return self._asked_k
-
-    def _choose(self, num_rows: int) -> int:
         costs = [self.step_cost(num_rows, k) for k in range(1, self.k_max + 1)]
         k = choose_k_for_costs(self.alpha, costs)
         if self._steps == 0:  # the prefill step: no decode timing to take, speculate on the priors
@@ -207,9 +202,10 @@ class AutoKController:
         return k
 
     def record_step(
-        self, seconds: float, num_draft_tokens: Sequence[int], num_accepted: Sequence[int]
+        self, seconds: float, k: int, num_draft_tokens: Sequence[int], num_accepted: Sequence[int]
     ) -> None:
-        """One finished step: its wall time and, per active row, drafts proposed and accepted."""
+        """One finished step: its wall time, the k it ran with (the limit per row) and, per active
+        row, drafts proposed and accepted."""
         self._steps += 1
         accepted = sum(num_accepted)
         rejections = sum(1 for d, a in zip(num_draft_tokens, num_accepted) if a < d)
@@ -230,7 +226,7 @@ class AutoKController:
                 plain.last_step = self._steps
         elif plain is not None:
             cost = seconds / plain.seconds.value
-            key = (num_rows, self._asked_k)
+            key = (num_rows, k)
             if key not in self._step_cost:  # starts from the line's price, weighing as one step
                 self._step_cost[key] = DecayedRatio(self.step_cost(*key), 1.0, self._decay)
             self._step_cost[key].update(cost, 1.0)

@@ -275,7 +275,7 @@ def speculative_step(
     if stopped.any():
         proposer.release(rows[stopped].tolist())
     if k_controller is not None:
-        k_controller.record_step(time.perf_counter() - started, spec.num_draft_tokens, num_accepted.tolist())
+        k_controller.record_step(time.perf_counter() - started, k, spec.num_draft_tokens, num_accepted.tolist())
     return emitted
 
 

@@ -104,7 +104,7 @@ def simulate(
         t_plain = 0.01 * (1 + 0.3 * rows) * (3.0 if step == 0 else 1.0)
         cost = 1 + c_of_rows(rows) * k if cost_of is None else cost_of(rows, k)
         seconds = t_plain * cost * (1 + 0.02 * (rng.random() - 0.5))
-        controller.record_step(seconds, [k] * rows, accepted)
+        controller.record_step(seconds, k, [k] * rows, accepted)
     return chosen
 
 
