@@ -245,7 +245,8 @@ def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer, 
         assert field in capsys.readouterr().err
     from hf_specdec.trainers import regenerate
 
-    for bad, field in ((["--batch-size", "0"], "--batch-size"), (["--temperature", "-1"], "--temperature")):
+    for bad, field in ((["--batch-size", "0"], "--batch-size"), (["--temperature", "-1"], "--temperature"),
+                       (["--skip-records", "-1"], "--skip-records")):
         with pytest.raises(SystemExit):
             regenerate.main(["--target", "x", "--data", "y", "--output", "z", *bad])
         assert field in capsys.readouterr().err
@@ -304,3 +305,19 @@ def test_regenerated_answers_are_the_targets_greedy_output(target_folder, data_f
     for record, ids, mask in zip(records, data.input_ids, data.loss_masks):
         assert (ids[-1] == EOS_TOKEN_ID) == (not record["truncated"])
         assert mask[-1] == 1
+
+
+def test_regenerate_skip_records_takes_the_next_slice(target_folder, data_file, tmp_path):
+    from hf_specdec.trainers import regenerate
+
+    def user_turns(*args):
+        output = regenerate.main([
+            "--target", str(target_folder), "--data", str(data_file), "--output", str(tmp_path / "regen.jsonl"),
+            "--max-new-tokens", "2", "--num-threads", "1", *args,
+        ])
+        return sorted(json.loads(line)["messages"][0]["content"] for line in output.read_text().splitlines())
+
+    first_five = user_turns("--max-records", "5")
+    first_two, next_three = user_turns("--max-records", "2"), user_turns("--skip-records", "2", "--max-records", "3")
+    assert len(first_two) == 2 and len(next_three) == 3
+    assert sorted(first_two + next_three) == first_five

@@ -1,7 +1,7 @@
 """Regenerate the assistant turns of a conversation dataset with the target itself.
 
     python -m hf_specdec.trainers.regenerate --target <folder|Hub id> --data <file|Hub id> \\
-        --output regenerated.jsonl [--max-records N] [--max-new-tokens 256] [--batch-size 32]
+        --output regenerated.jsonl [--skip-records N] [--max-records N] [--max-new-tokens 256] [--batch-size 32]
 
 A head drafts the *target's* continuations. Trained on someone else's text (ShareGPT answers
 come from ChatGPT) it sees features of text the target would not write, and learns from positions
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--data", required=True)
     parser.add_argument("--data-split", default="train")
     parser.add_argument("--output", required=True, help="jsonl file to write")
+    parser.add_argument("--skip-records", type=int, default=0, help="start after the first N records (the next slice)")
     parser.add_argument("--max-records", type=int, default=None)
     parser.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> Path:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}={value} is invalid; allowed: an integer >= 1")
+    if args.skip_records < 0:
+        parser.error(f"--skip-records={args.skip_records} is invalid; allowed: an integer >= 0")
     if args.temperature < 0:
         parser.error(f"--temperature={args.temperature} is invalid; allowed: 0 (greedy) or a number > 0")
     from tqdm.auto import tqdm
@@ -91,8 +94,8 @@ def main(argv: list[str] | None = None) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code, padding_side="left")
     check_chat_template(tokenizer)
     records = load_records(args.data, args.data_split)
-    if args.max_records is not None:
-        records = records.select(range(min(args.max_records, len(records))))
+    end = len(records) if args.max_records is None else min(args.skip_records + args.max_records, len(records))
+    records = records.select(range(min(args.skip_records, end), end))
     prompts = []
     for record in records:
         prompt = first_turn_prompt(to_messages(record))
