@@ -262,6 +262,12 @@ def test_auto_greedy_matches_plain_generate(enabled_llama, monkeypatch, method, 
 
     build_proposer = decoding.build_proposer
     monkeypatch.setattr(decoding, "build_proposer", recording_build_proposer)
+    chosen, recorded = [], []
+    next_k, record_step = AutoKController.next_k, AutoKController.record_step
+    monkeypatch.setattr(AutoKController, "next_k", lambda self, rows: chosen.append(next_k(self, rows)) or chosen[-1])
+    monkeypatch.setattr(
+        AutoKController, "record_step", lambda self, seconds, k, *rest: recorded.append(k) or record_step(self, seconds, k, *rest)
+    )
     plain = plain_generate(model, **inputs, max_new_tokens=40, do_sample=False)
     out = model.generate(
         **inputs,
@@ -285,6 +291,7 @@ def test_auto_greedy_matches_plain_generate(enabled_llama, monkeypatch, method, 
     assert len(steps) == metrics["num_target_forwards"]
     assert all(drafted <= limit <= k_max for step in steps for limit, drafted in step)
     assert any(0 < limit < k_max for step in steps for limit, _ in step)
+    assert recorded == chosen  # the loop books each step's timing under the k that step ran with
 
 
 def test_fixed_k_records_its_k_and_disable_by_batch_size_records_zero(enabled_llama):
