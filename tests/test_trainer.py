@@ -307,7 +307,7 @@ def test_regenerated_answers_are_the_targets_greedy_output(target_folder, data_f
         assert mask[-1] == 1
 
 
-def test_regenerate_skip_records_takes_the_next_slice(target_folder, data_file, tmp_path):
+def test_regenerate_skip_records_takes_the_next_slice(target_folder, data_file, tmp_path, capsys):
     from hf_specdec.trainers import regenerate
 
     def user_turns(*args):
@@ -321,3 +321,6 @@ def test_regenerate_skip_records_takes_the_next_slice(target_folder, data_file, 
     first_two, next_three = user_turns("--max-records", "2"), user_turns("--skip-records", "2", "--max-records", "3")
     assert len(first_two) == 2 and len(next_three) == 3
     assert sorted(first_two + next_three) == first_five
+    with pytest.raises(SystemExit):  # past the end: an error, not an empty file
+        user_turns("--skip-records", str(len(load_records(data_file))))
+    assert "--skip-records" in capsys.readouterr().err

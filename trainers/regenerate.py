@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code, padding_side="left")
     check_chat_template(tokenizer)
     records = load_records(args.data, args.data_split)
+    if args.skip_records and args.skip_records >= len(records):
+        parser.error(f"--skip-records={args.skip_records} is invalid; allowed: fewer than the {len(records)} records of --data")
     end = len(records) if args.max_records is None else min(args.skip_records + args.max_records, len(records))
     records = records.select(range(min(args.skip_records, end), end))
     prompts = []
