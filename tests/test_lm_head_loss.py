@@ -75,6 +75,22 @@ def test_target_labels_match_the_whole_vocabulary_form(monkeypatch):
     torch.testing.assert_close(probs, logits[:, draft_vocab].softmax(dim=-1))
 
 
+def test_target_labels_keep_the_targets_precision_under_the_heads_autocast():
+    # --mixed-precision bf16 trains the head in bf16; the labels stay the fp32 target's unless
+    # --target-precision asks for bf16, and then they are the bf16 matmul's
+    torch.manual_seed(0)
+    target = build_tiny_llama()
+    head = EagleHead.for_target(target, "eagle3")
+    final_hidden = torch.randn(9, target.config.hidden_size)
+    weight = target.get_output_embeddings().weight
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, _, fp32_probs = target_labels(final_hidden, target.get_output_embeddings(), head)
+        _, _, bf16_probs = target_labels(final_hidden, target.get_output_embeddings(), head, torch.bfloat16)
+    assert torch.equal(fp32_probs, (final_hidden @ weight.T).softmax(dim=-1))
+    expected_bf16 = (final_hidden.bfloat16() @ weight.bfloat16().T).float().softmax(dim=-1)
+    assert torch.equal(bf16_probs, expected_bf16) and not torch.equal(bf16_probs, fp32_probs)
+
+
 def test_soft_label_cross_entropy_under_bf16_autocast(small_blocks):
     # --mixed-precision bf16: the matmuls run in bf16, the loss is scored and the gradients land in fp32
     torch.manual_seed(0)

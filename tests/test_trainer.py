@@ -195,6 +195,22 @@ def test_offline_hidden_states_cache(target_folder, data_file, tmp_path):
     # states cached for other records are refused, not reused
     with pytest.raises(ValueError, match="hidden-states-cache .* was built for"):
         _train(target_folder, data_file, tmp_path / "c", *common, "--max-records", "40")
+    # ... and so are states cached at another target precision
+    with pytest.raises(ValueError, match="hidden-states-cache .* was built for"):
+        _train(target_folder, data_file, tmp_path / "d", *common, "--target-precision", "bf16")
+
+
+def test_bf16_target_and_head_train(target_folder, data_file, tmp_path):
+    # the fast CPU path (AMX): target forward and head both in bf16 autocast, weights in fp32
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # Accelerate keeps one precision per process
+    log = _train(target_folder, data_file, tmp_path / "bf16", "--method", "eagle3", "--draft-vocab-size", "96",
+                 "--ttt-steps", "2", "--num-epochs", "4", "--target-precision", "bf16", "--mixed-precision", "bf16")
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert sum(losses[-4:]) < 0.8 * sum(losses[:4])
+    assert (tmp_path / "bf16" / "model.safetensors").is_file()
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer, capsys):
@@ -324,3 +340,17 @@ def test_regenerate_skip_records_takes_the_next_slice(target_folder, data_file, 
     with pytest.raises(SystemExit):  # past the end: an error, not an empty file
         user_turns("--skip-records", str(len(load_records(data_file))))
     assert "--skip-records" in capsys.readouterr().err
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns(monkeypatch):
+    from types import SimpleNamespace
+
+    printed = []
+    accelerator = SimpleNamespace(device=torch.device("cpu"), print=printed.append)
+    args = SimpleNamespace(mixed_precision="no", target_precision="bf16")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    trainer._warn_if_emulated_bf16(accelerator, args)
+    assert len(printed) == 1 and "--target-precision bf16" in printed[0]
+    args.target_precision = "fp32"
+    trainer._warn_if_emulated_bf16(accelerator, args)
+    assert len(printed) == 1

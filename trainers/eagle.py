@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     parser.add_argument("--hidden-states-cache", default=None, help="folder of an offline hidden-states cache (built when missing)")
     parser.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no", help="for the head's training")
+    parser.add_argument("--target-precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="the frozen target's forward and label logits: fp32, or autocast to bf16 / fp16 (its "
+                        "weights stay fp32); on a CPU with AMX bf16 ran the target 3x faster")
     parser.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--report-to", choices=("auto", "none", "tensorboard"), default="auto",
                         help="Accelerate tracker; auto = TensorBoard when installed")
@@ -199,15 +202,17 @@ def evaluate(accelerator, objective, target, eval_data: TokenizedData, batches, 
     return metrics
 
 
-def _warn_if_emulated_bf16(accelerator, mixed_precision: str) -> None:
+def _warn_if_emulated_bf16(accelerator, args) -> None:
     """bf16 autocast on a CPU without native bf16 (no AVX512-BF16 / AMX) runs emulated kernels: on
     a 2-core AVX2 EPYC the head's backward took 95 s against 1.9 s in fp32. Allowed, but said."""
-    if mixed_precision == "bf16" and accelerator.device.type == "cpu":
+    asked = [f"--{name} bf16" for name, value in (("mixed-precision", args.mixed_precision),
+                                                   ("target-precision", args.target_precision)) if value == "bf16"]
+    if asked and accelerator.device.type == "cpu":
         native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
         if native is not None and not native():
             accelerator.print(
-                "warning: --mixed-precision bf16 on a CPU without native bf16 support is far slower than "
-                "fp32 here (measured 20x on an AVX2 CPU); --mixed-precision no is the fast choice"
+                f"warning: {' and '.join(asked)} on a CPU without native bf16 support is far slower than "
+                "fp32 here (measured 20x on an AVX2 CPU); fp32 (the default) is the fast choice"
             )
 
 
@@ -232,7 +237,7 @@ def main(argv: list[str] | None = None) -> Path:
             raise ValueError("--report-to tensorboard needs the tensorboard package (pip install tensorboard)")
         log_with = "tensorboard"
     accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=log_with, project_dir=str(output))
-    _warn_if_emulated_bf16(accelerator, args.mixed_precision)
+    _warn_if_emulated_bf16(accelerator, args)
     set_seed(args.seed)
     if args.batch_size < accelerator.num_processes:
         raise ValueError(
@@ -252,7 +257,10 @@ def main(argv: list[str] | None = None) -> Path:
     feature_layers = head.feature_layers_for(len(target.model.layers))
 
     states_for = _target_states(args, accelerator, target, feature_layers, train_data, eval_data, tqdm)
-    objective = DraftTrainingObjective(head, num_steps=args.ttt_steps, step_weight=args.step_weight)
+    objective = DraftTrainingObjective(
+        head, num_steps=args.ttt_steps, step_weight=args.step_weight,
+        target_matmul_dtype=_autocast_dtype(args.target_precision) or target.dtype,
+    )
     optimizer = torch.optim.AdamW(
         [p for p in head.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay
     )
@@ -328,16 +336,23 @@ def main(argv: list[str] | None = None) -> Path:
     return output
 
 
+def _autocast_dtype(precision: str) -> torch.dtype | None:
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
 def _target_states(args, accelerator, target, feature_layers, train_data, eval_data, tqdm):
     """A function (batch, data) -> TargetBatch: online forwards, or the offline cache (built first if needed)."""
+    autocast_dtype = _autocast_dtype(args.target_precision)
     if args.hidden_states_cache is None:
-        return lambda batch, data: run_target(target, batch.input_ids, feature_layers)
+        return lambda batch, data: run_target(target, batch.input_ids, feature_layers, autocast_dtype)
     caches = {}
     for name, data in (("train", train_data), ("eval", eval_data)):
         fingerprint = {
             "target": str(args.target), "feature_layers": list(feature_layers), "records": len(data),
             "tokens_hash": _tokens_hash(data),
         }
+        if autocast_dtype is not None:  # fp32 caches keep the fingerprint they had before this option
+            fingerprint["target_precision"] = args.target_precision
         cache = OfflineTargetStates(Path(args.hidden_states_cache) / name, fingerprint)
         # each process writes its share of the missing records, then everyone reads every shard
         missing = cache.missing(range(len(data)))
@@ -345,7 +360,7 @@ def _target_states(args, accelerator, target, feature_layers, train_data, eval_d
             mine = missing[accelerator.process_index :: accelerator.num_processes]
             bar = tqdm(total=len(mine), desc=f"caching {name} hidden states", disable=not accelerator.is_main_process)
             shard = f"shard_{int(time.time())}_{accelerator.process_index:03d}"
-            cache.build(target, data, mine, feature_layers, args.batch_size, shard, bar)
+            cache.build(target, data, mine, feature_layers, args.batch_size, shard, bar, autocast_dtype)
             bar.close()
             accelerator.wait_for_everyone()
             cache.reload()

