@@ -323,6 +323,34 @@ def test_regenerated_answers_are_the_targets_greedy_output(target_folder, data_f
         assert mask[-1] == 1
 
 
+def test_regenerate_in_bf16_gives_the_bf16_targets_greedy_answers(target_folder, data_file, tmp_path, monkeypatch):
+    from hf_specdec.trainers import regenerate
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded_dtypes = []
+    load = AutoModelForCausalLM.from_pretrained
+
+    def spying_load(*args, **kwargs):
+        model = load(*args, **kwargs)
+        loaded_dtypes.append(model.dtype)
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spying_load)
+    output = regenerate.main([
+        "--target", str(target_folder), "--data", str(data_file), "--output", str(tmp_path / "regen.jsonl"),
+        "--max-records", "3", "--max-new-tokens", "6", "--batch-size", "1", "--num-threads", "1", "--dtype", "bfloat16",
+    ])
+    assert loaded_dtypes == [torch.bfloat16]  # the answers come from the bf16 target
+    model = load(target_folder, dtype=torch.bfloat16).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_folder, padding_side="left")
+    for line in output.read_text().splitlines():
+        user, assistant = json.loads(line)["messages"]
+        prompt = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+        inputs = tokenizer([prompt], return_tensors="pt", add_special_tokens=False)
+        greedy = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert assistant["content"] == tokenizer.decode(greedy[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
+
+
 def test_regenerate_skip_records_takes_the_next_slice(target_folder, data_file, tmp_path, capsys):
     from hf_specdec.trainers import regenerate
 

@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="the target's weights while it answers; on a 2-core Xeon with AMX, bfloat16 answered "
+                        "32 prompts x 64 tokens 2.3x faster than float32 (its greedy answers are then bf16's)")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -90,7 +93,9 @@ def main(argv: list[str] | None = None) -> Path:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_pretrained(args.target, trust_remote_code=args.trust_remote_code).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        args.target, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code
+    ).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code, padding_side="left")
     check_chat_template(tokenizer)
     records = load_records(args.data, args.data_split)
