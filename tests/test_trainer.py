@@ -200,16 +200,17 @@ def test_offline_hidden_states_cache(target_folder, data_file, tmp_path):
         _train(target_folder, data_file, tmp_path / "d", *common, "--target-precision", "bf16")
 
 
-def test_bf16_target_and_head_train(target_folder, data_file, tmp_path):
-    # the fast CPU path (AMX): target forward and head both in bf16 autocast, weights in fp32
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_target_and_head_train(target_folder, data_file, tmp_path, precision):
+    # target forward and head both under half-precision autocast (bf16: the fast path on AMX CPUs), weights in fp32
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)  # Accelerate keeps one precision per process
-    log = _train(target_folder, data_file, tmp_path / "bf16", "--method", "eagle3", "--draft-vocab-size", "96",
-                 "--ttt-steps", "2", "--num-epochs", "4", "--target-precision", "bf16", "--mixed-precision", "bf16")
+    log = _train(target_folder, data_file, tmp_path / precision, "--method", "eagle3", "--draft-vocab-size", "96",
+                 "--ttt-steps", "2", "--num-epochs", "4", "--target-precision", precision, "--mixed-precision", precision)
     losses = [r["loss"] for r in log if "loss" in r]
     assert sum(losses[-4:]) < 0.8 * sum(losses[:4])
-    assert (tmp_path / "bf16" / "model.safetensors").is_file()
+    assert (tmp_path / precision / "model.safetensors").is_file()
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
