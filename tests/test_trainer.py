@@ -200,6 +200,22 @@ def test_offline_hidden_states_cache(target_folder, data_file, tmp_path):
         _train(target_folder, data_file, tmp_path / "d", *common, "--target-precision", "bf16")
 
 
+def test_target_forward_under_bf16_autocast_keeps_fp32_states():
+    # --target-precision bf16: the matmuls run in bf16 (states differ from fp32's by bf16 rounding),
+    # the residual stream and the captured states stay fp32, and the target's weights are untouched
+    from hf_specdec.trainers.target_states import run_target
+
+    torch.manual_seed(0)
+    model = build_tiny_llama(initializer_range=0.5)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    full, half = run_target(model, input_ids, (0, 1)), run_target(model, input_ids, (0, 1), torch.bfloat16)
+    assert half.features.dtype == half.final_hidden.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not torch.equal(half.final_hidden, full.final_hidden)
+    for got, fp32 in ((half.final_hidden, full.final_hidden), (half.features, full.features)):
+        assert (got - fp32).norm() < 0.05 * fp32.norm()  # bf16 rounding (2.6% here), not another computation
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_precision_target_and_head_train(target_folder, data_file, tmp_path, precision):
     # target forward and head both under half-precision autocast (bf16: the fast path on AMX CPUs), weights in fp32
