@@ -279,7 +279,8 @@ def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer, 
     from hf_specdec.trainers import regenerate
 
     for bad, field in ((["--batch-size", "0"], "--batch-size"), (["--temperature", "-1"], "--temperature"),
-                       (["--skip-records", "-1"], "--skip-records")):
+                       (["--skip-records", "-1"], "--skip-records"), (["--min-prompt-tokens", "0"], "--min-prompt-tokens"),
+                       (["--min-prompt-tokens", "300"], "--min-prompt-tokens")):
         with pytest.raises(SystemExit):
             regenerate.main(["--target", "x", "--data", "y", "--output", "z", *bad])
         assert field in capsys.readouterr().err
@@ -385,6 +386,34 @@ def test_regenerate_skip_records_takes_the_next_slice(target_folder, data_file, 
     with pytest.raises(SystemExit):  # past the end: an error, not an empty file
         user_turns("--skip-records", str(len(load_records(data_file))))
     assert "--skip-records" in capsys.readouterr().err
+
+
+def test_regenerate_min_prompt_tokens_answers_the_longer_prompts(target_folder, data_file, tmp_path):
+    from hf_specdec.trainers import regenerate
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_folder)
+
+    def prompt_lengths(*args):
+        output = regenerate.main([
+            "--target", str(target_folder), "--data", str(data_file), "--output", str(tmp_path / "regen.jsonl"),
+            "--max-records", "12", "--max-new-tokens", "2", "--num-threads", "1", *args,
+        ])
+        prompts = [json.loads(line)["messages"][:-1] for line in output.read_text().splitlines()]
+        return sorted(
+            len(tokenizer(tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False).input_ids)
+            for p in prompts
+        )
+
+    every = prompt_lengths()
+    threshold = every[len(every) // 2]
+    assert every[0] < threshold  # the split below is not trivial
+    shorter, longer = prompt_lengths("--max-prompt-tokens", str(threshold - 1)), prompt_lengths(
+        "--min-prompt-tokens", str(threshold))
+    assert shorter and all(n < threshold for n in shorter)
+    assert longer and all(n >= threshold for n in longer)
+    assert sorted(shorter + longer) == every  # together: the same records, none lost or answered twice
 
 
 def test_bf16_on_a_cpu_without_native_bf16_warns(monkeypatch):

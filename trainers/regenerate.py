@@ -1,7 +1,8 @@
 """Regenerate the assistant turns of a conversation dataset with the target itself.
 
     python -m hf_specdec.trainers.regenerate --target <folder|Hub id> --data <file|Hub id> \\
-        --output regenerated.jsonl [--skip-records N] [--max-records N] [--max-new-tokens 256] [--batch-size 32]
+        --output regenerated.jsonl [--skip-records N] [--max-records N] [--min-prompt-tokens N] \\
+        [--max-new-tokens 256] [--batch-size 32]
 
 A head drafts the *target's* continuations. Trained on someone else's text (ShareGPT answers
 come from ChatGPT) it sees features of text the target would not write, and learns from positions
@@ -68,6 +69,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--output", required=True, help="jsonl file to write")
     parser.add_argument("--skip-records", type=int, default=0, help="start after the first N records (the next slice)")
     parser.add_argument("--max-records", type=int, default=None)
+    parser.add_argument("--min-prompt-tokens", type=int, default=1,
+                        help="shorter prompts are skipped: prompts are answered shortest first, so a stopped run has "
+                        "answered the short ones; this answers the rest of the same records")
     parser.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -79,12 +83,15 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("max_records", "max_prompt_tokens", "max_new_tokens", "batch_size", "num_threads"):
+    for name in ("max_records", "min_prompt_tokens", "max_prompt_tokens", "max_new_tokens", "batch_size", "num_threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}={value} is invalid; allowed: an integer >= 1")
     if args.skip_records < 0:
         parser.error(f"--skip-records={args.skip_records} is invalid; allowed: an integer >= 0")
+    if args.min_prompt_tokens > args.max_prompt_tokens:
+        parser.error(f"--min-prompt-tokens={args.min_prompt_tokens} is invalid; allowed: at most "
+                     f"--max-prompt-tokens={args.max_prompt_tokens}")
     if args.temperature < 0:
         parser.error(f"--temperature={args.temperature} is invalid; allowed: 0 (greedy) or a number > 0")
     from tqdm.auto import tqdm
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> Path:
         if prompt is None:
             continue
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        if len(tokenizer(text, add_special_tokens=False).input_ids) <= args.max_prompt_tokens:
+        if args.min_prompt_tokens <= len(tokenizer(text, add_special_tokens=False).input_ids) <= args.max_prompt_tokens:
             prompts.append((prompt, text))
     prompts.sort(key=lambda p: len(p[1]))  # similar lengths per batch: little padding
     output = Path(args.output)
