@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--skip-records", type=int, default=0, help="start after the first N records (the next slice)")
     parser.add_argument("--max-records", type=int, default=None)
     parser.add_argument("--min-prompt-tokens", type=int, default=1,
-                        help="shorter prompts are skipped: prompts are answered shortest first, so a stopped run has "
-                        "answered the short ones; this answers the rest of the same records")
+                        help="shorter prompts are skipped: prompts are answered shortest first (in characters), so a "
+                        "stopped run answered mostly short ones; this answers the longer rest of the same records "
+                        "(a token bound: a few prompts near the cut may be answered again)")
     parser.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
