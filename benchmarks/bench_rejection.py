@@ -219,8 +219,9 @@ def gpu_kernels_vs_reference(args: argparse.Namespace) -> list[dict]:
 def gpu_sampling_parameters_cost(args: argparse.Namespace) -> list[dict]:
     """What transformers' temperature / top-k / top-p warpers cost on a step's verify logits, next to
     the kernels' whole rejection step: where a fused kernel for them would pay."""
-    from hf_specdec.kernels.rejection import rejection_sample_triton
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from hf_specdec.kernels.rejection import rejection_sample_triton
 
     device = torch.device("cuda")
     warpers = {
