@@ -13,6 +13,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -428,3 +429,76 @@ def test_bf16_on_a_cpu_without_native_bf16_warns(monkeypatch):
     args.target_precision = "fp32"
     trainer._warn_if_emulated_bf16(accelerator, args)
     assert len(printed) == 1
+
+
+@pytest.fixture(scope="module")
+def multi_turn_file(tmp_path_factory):
+    rng = random.Random(1)
+    records = []
+    for _ in range(24):
+        turns = []
+        for _ in range(rng.randint(1, 3)):  # user, assistant pairs
+            turns += _conversation(rng, sharegpt=True)["conversations"]
+        records.append({"conversations": turns})
+    path = tmp_path_factory.mktemp("data") / "multi_turn.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def test_regenerate_turns_answers_later_turns_given_the_targets_own_answers(target_folder, multi_turn_file, tmp_path):
+    from hf_specdec.trainers import regenerate
+    from transformers import AutoTokenizer
+
+    output = regenerate.main([
+        "--target", str(target_folder), "--data", str(multi_turn_file), "--output", str(tmp_path / "regen.jsonl"),
+        "--turns", "2", "--max-new-tokens", "12", "--batch-size", "3", "--num-threads", "1",
+    ])
+    written = [json.loads(line) for line in output.read_text().splitlines()]
+    sources = [to_messages(r) for r in load_records(multi_turn_file)]
+    model = build_tiny_llama(initializer_range=0.5)
+    tokenizer = AutoTokenizer.from_pretrained(target_folder, padding_side="left")
+    seen = set()
+    for record in written:
+        messages = record["messages"]
+        # the record it came from: the same user turns, in order, its answers replaced
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        matches = [i for i, s in enumerate(sources) if [m["content"] for m in s if m["role"] == "user"][: len(users)] == users]
+        assert len(matches) == 1 and matches[0] not in seen
+        seen.add(matches[0])
+        assert [m["role"] for m in messages] == ["user", "assistant"] * len(users)
+        cuts = []
+        for j in range(1, len(messages), 2):
+            prompt = tokenizer.apply_chat_template(messages[:j], tokenize=False, add_generation_prompt=True)
+            inputs = tokenizer([prompt], return_tensors="pt", add_special_tokens=False)
+            new = model.generate(**inputs, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, inputs.input_ids.shape[1] :]
+            assert messages[j]["content"] == tokenizer.decode(new, skip_special_tokens=True)
+            cuts.append(EOS_TOKEN_ID not in new.tolist())
+        assert record["truncated"] == cuts[-1]
+        # a conversation stops early only after a cut answer, or where its record has no next user turn
+        source_users = sum(m["role"] == "user" for m in sources[matches[0]])
+        if len(users) == 1:
+            assert cuts[0] or source_users == 1
+    assert len(written) == len(sources)  # no answer here is empty: every record gives a conversation
+    turn_counts = [len(r["messages"]) // 2 for r in written]
+    assert 1 in turn_counts and 2 in turn_counts  # both endings happen in this data
+
+
+def test_regenerate_stopped_midway_keeps_every_answered_turn(target_folder, multi_turn_file, tmp_path, monkeypatch):
+    from hf_specdec.trainers import regenerate
+
+    def stopped_on_the_second_turn(model, tokenizer, prompts, *args):
+        if any(sum(m["role"] == "user" for m in p) == 2 for p in prompts):
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's stop: regenerate unwinds as from Ctrl-C
+        return [("w10 w11", False) for _ in prompts]  # an answer that ended: the conversation goes on
+
+    monkeypatch.setattr(regenerate, "generate_answers", stopped_on_the_second_turn)
+    output = tmp_path / "regen.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        regenerate.main(["--target", str(target_folder), "--data", str(multi_turn_file), "--output", str(output),
+                         "--turns", "3", "--batch-size", "4", "--num-threads", "1"])
+    written = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(written) == len(load_records(multi_turn_file))  # every first turn was answered
+    for record in written:
+        assert [m["role"] for m in record["messages"]] == ["user", "assistant"]
+        assert record["messages"][1]["content"] == "w10 w11" and not record["truncated"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
