@@ -84,7 +84,7 @@ class Conversation:
     later_user_turns: list[dict]  # the record's user turns after that one, in order
     answered_turns: int = 0
     truncated: bool = False
-    written: bool = False
+    ended: bool = False  # written out, or dropped with no answer
 
     def record(self) -> dict:
         """The trainer record: the turns up to the last answer."""
@@ -120,9 +120,10 @@ def answer_conversations(
     (rows batched by prompt length), writing each conversation to `out` (jsonl) when it ends."""
     from tqdm.auto import tqdm
 
-    def write(conversation: Conversation) -> None:
-        out.write(json.dumps(conversation.record()) + "\n")
-        conversation.written = True
+    def end(conversation: Conversation) -> None:
+        if conversation.answered_turns:
+            out.write(json.dumps(conversation.record()) + "\n")
+        conversation.ended = True
 
     live = conversations
     try:
@@ -134,10 +135,7 @@ def answer_conversations(
                 answers = generate_answers(model, tokenizer, [c.messages for c in batch], max_new_tokens, sampling)
                 for conversation, (answer, cut) in zip(batch, answers):
                     if not answer.strip():  # nothing to teach here: the conversation ends before this turn
-                        if conversation.answered_turns:
-                            write(conversation)
-                        else:
-                            conversation.written = True  # no answer at all: no record
+                        end(conversation)
                         continue
                     conversation.messages.append({"role": "assistant", "content": answer})
                     conversation.answered_turns += 1
@@ -145,13 +143,13 @@ def answer_conversations(
                     if not cut and turn < turns and _next_user_turn(conversation, tokenizer, max_turn_tokens):
                         next_live.append(conversation)
                     else:
-                        write(conversation)
+                        end(conversation)
                 out.flush()
             live = next_live
     finally:  # stopped early: keep every answered turn
         for conversation in conversations:
-            if not conversation.written and conversation.answered_turns:
-                write(conversation)
+            if not conversation.ended:
+                end(conversation)
         out.flush()
 
 
