@@ -281,7 +281,7 @@ def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer, 
 
     for bad, field in ((["--batch-size", "0"], "--batch-size"), (["--temperature", "-1"], "--temperature"),
                        (["--skip-records", "-1"], "--skip-records"), (["--min-prompt-tokens", "0"], "--min-prompt-tokens"),
-                       (["--min-prompt-tokens", "300"], "--min-prompt-tokens")):
+                       (["--min-prompt-tokens", "300"], "--min-prompt-tokens"), (["--turns", "0"], "--turns")):
         with pytest.raises(SystemExit):
             regenerate.main(["--target", "x", "--data", "y", "--output", "z", *bad])
         assert field in capsys.readouterr().err
