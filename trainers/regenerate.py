@@ -128,7 +128,8 @@ def answer_conversations(
     live = conversations
     try:
         for turn in range(1, turns + 1):
-            live.sort(key=lambda c: len(tokenizer.apply_chat_template(c.messages, tokenize=False)))
+            # similar lengths per batch: little padding
+            live = sorted(live, key=lambda c: len(tokenizer.apply_chat_template(c.messages, tokenize=False)))
             next_live = []
             for begin in tqdm(range(0, len(live), batch_size), desc=f"regenerating turn {turn}/{turns}"):
                 batch = live[begin : begin + batch_size]
