@@ -2,6 +2,8 @@
 
     python benchmarks/head_acceptance.py model_cards/SmolLM2-135M-Instruct-eagle3 [more heads ...]
     python benchmarks/head_acceptance.py runs/x/checkpoints/step_60 --architecture runs/x/init-head
+    python benchmarks/head_acceptance.py model_cards/SmolLM2-135M-Instruct-eagle3 --steps 6 --tree-widths 4,2,2,1,1,1 \
+        --tree-nodes 16 --tree-nodes 64
 
 The target answers MT-bench and HumanEval first turns greedily (once; cached under `results/`),
 then each head is scored on those answers the way the trainer's held-out evaluation scores it
@@ -9,7 +11,8 @@ then each head is scored on those answers the way the trainer's held-out evaluat
 head's j-th draft equal the target's greedy token, given that drafts 0..j-1 did? With greedy
 decoding that is exactly what speculative generate() accepts, so `tau` (1 + mean accepted of a
 k = --steps chain) predicts the benchmark's tau without a timing run: a cheap way to compare
-checkpoints. Speed still comes from `hf-specdec bench`.
+checkpoints. Speed still comes from `hf-specdec bench`. `--tree-widths` / `--tree-nodes` also score
+draft trees (a ceiling for tree drafting, which generate() does not do: see `simulated_acceptance`).
 
 A head is a folder the drafter loads, or a trainer checkpoint (`<output>/checkpoints/step_N`,
 whose weights are the training objective's) given with `--architecture <a head folder of the
@@ -78,24 +81,82 @@ def load_head(source: str, target, architecture: str | None) -> EagleHead:
     return head
 
 
+def parse_tree_widths(text: str) -> tuple[int, ...]:
+    """"4,2,1" -> (4, 2, 1); ValueError naming --tree-widths."""
+    parts = text.split(",")
+    if not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise ValueError(
+            f"--tree-widths {text!r} is invalid; allowed: comma-separated integers >= 1, one per draft depth"
+        )
+    return tuple(int(part) for part in parts)
+
+
 @torch.no_grad()
-def simulated_acceptance(head: EagleHead, target, data, steps: int, states: dict) -> dict:
-    objective = DraftTrainingObjective(head.eval(), num_steps=steps).eval()
-    totals: dict[str, torch.Tensor] = {}
+def simulated_acceptance(
+    head: EagleHead, target, data, steps: int, states: dict, tree_widths: list[tuple[int, ...]] = (),
+    tree_nodes: list[int] = (),
+) -> dict:
+    """`tau` of a k = `steps` chain; per tree in `tree_widths` (w_1, ..., w_D) the tau of a full
+    draft tree whose every node at depth d has the head's w_d most likely tokens as children; per
+    N in `tree_nodes` the tau of the best static tree of N nodes (`best_static_tree_tau`).
+
+    The target's greedy path is in such a tree up to the first depth where its token is not among
+    the tree's children there, given the path so far: those are exactly the draft steps of the
+    unroll (step j reads the path's tokens and the head's own earlier outputs), so each tree's
+    accepted length follows from the target token's rank among the head's drafts at each step.
+    A ceiling for what tree drafting (EAGLE-2 style, which generate() does not do) could give this
+    head, before the cost of verifying every node.
+    """
+    depth = max([steps, *(len(widths) for widths in tree_widths)])
+    rank_within = max([1, *(max(widths) for widths in tree_widths), *tree_nodes])
+    objective = DraftTrainingObjective(head.eval(), num_steps=depth).eval()
+    correct = counted = 0
+    ranks = []
     feature_layers = head.feature_layers_for(len(target.model.layers))
     for begin in range(0, len(data), 4):
         batch = collate(data, list(range(begin, min(begin + 4, len(data)))))
         key = (begin, feature_layers)
         if key not in states:  # the target's features depend only on the layers read: computed once per set
             states[key] = run_target(target, batch.input_ids, feature_layers)
-        out = objective(batch.input_ids, batch.loss_mask, states[key], target.get_output_embeddings())
-        for key, value in out.items():
-            totals[key] = totals.get(key, 0) + value
+        out = objective(
+            batch.input_ids, batch.loss_mask, states[key], target.get_output_embeddings(), rank_within=rank_within
+        )
+        correct, counted = correct + out["correct"], counted + out["counted"]
+        ranks.append(out["target_rank"][out["draft_start"]])
+    ranks = torch.cat(ranks)  # [chains, depth]: one chain per labelled position
+
+    def tau(widths: tuple[int, ...]) -> float:
+        within = ranks[:, : len(widths)] < torch.tensor(widths)
+        return 1 + within.long().cumprod(dim=-1).sum(dim=-1).double().mean().item()
+
     return {
-        "tau": 1 + float(totals["accepted_len_sum"]) / int(totals["accepted_len_count"]),
+        "tau": tau((1,) * steps),
         # step j: accepted given drafts 0..j-1 were (the chain's conditional acceptance)
-        "acceptance_per_step": (totals["correct"] / totals["counted"].clamp(min=1)).tolist(),
+        "acceptance_per_step": (correct / counted.clamp(min=1)).tolist(),
+        "tree_tau": {",".join(map(str, widths)): tau(widths) for widths in tree_widths},
+        "static_tree_tau": {nodes: best_static_tree_tau(ranks, nodes) for nodes in tree_nodes},
+        "tree_depth": depth,
     }
+
+
+def best_static_tree_tau(ranks: torch.Tensor, num_nodes: int) -> float:
+    """The tau of the best draft tree of `num_nodes` nodes that is the same at every position.
+
+    A node is a rank sequence (r_1, ..., r_d): the head's r_1-th draft, then its r_2-th draft
+    after that one, ... The target's path contributes one accepted token per node on it, so a
+    tree's accepted length summed over `ranks` ([chains, depth]) is the sum of its nodes' counts
+    (how many chains start with that rank sequence). A prefix's count is at least its extensions',
+    so the `num_nodes` largest counts form a tree (ties taken shallowest first) and no tree of that
+    size does better. The tree is fitted on the answers it scores, so the figure is a ceiling;
+    nodes have ranks below `num_nodes` (no tree of that size needs deeper ones).
+    """
+    counts = []
+    for depth in range(1, ranks.shape[1] + 1):
+        prefixes = ranks[:, :depth]
+        inside = (prefixes < num_nodes).all(dim=-1)
+        counts.append(torch.unique(prefixes[inside], dim=0, return_counts=True)[1])
+    best = torch.cat(counts).sort(descending=True).values[:num_nodes]
+    return 1 + best.sum().item() / len(ranks)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -104,14 +165,25 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--architecture", default=None, help="head folder describing trainer checkpoints' shape")
     parser.add_argument("--sets", default="mt-bench:40,humaneval:20", help="name:count, comma-separated")
     parser.add_argument("--steps", type=int, default=3, help="unrolled draft steps (the k of the simulated chain)")
+    parser.add_argument(
+        "--tree-widths", action="append", default=[], metavar="W1,W2,...",
+        help="also score a full draft tree with W_d children per node at depth d (repeatable)",
+    )
+    parser.add_argument(
+        "--tree-nodes", action="append", type=int, default=[], metavar="N",
+        help="also score the best static draft tree of N nodes (repeatable)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     for name in ("steps", "max_new_tokens", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; allowed: an integer >= 1")
+    if any(nodes < 1 for nodes in args.tree_nodes):
+        parser.error(f"--tree-nodes {args.tree_nodes} is invalid; allowed: integers >= 1")
     try:
         sets = parse_sets(args.sets)
+        tree_widths = [parse_tree_widths(text) for text in args.tree_widths]
     except ValueError as error:
         parser.error(str(error))
     torch.set_num_threads(args.threads)
@@ -128,10 +200,15 @@ def main(argv: list[str] | None = None) -> dict:
         data = tokenize_records(records, tokenizer, max_length=2048, min_loss_tokens=1)
         states: dict = {}
         for source in args.heads:
-            scored = simulated_acceptance(load_head(source, model, args.architecture), model, data, args.steps, states)
+            head = load_head(source, model, args.architecture)
+            scored = simulated_acceptance(head, model, data, args.steps, states, tree_widths, args.tree_nodes)
             results.setdefault(source, {})[spec] = scored
             per_step = " ".join(f"{a:.3f}" for a in scored["acceptance_per_step"])
             print(f"{spec:>14}  tau(k={args.steps}) {scored['tau']:.3f}  per step {per_step}  {source}", flush=True)
+            for widths, value in scored["tree_tau"].items():
+                print(f"{'':>14}  full tree {widths}: tau {value:.3f}", flush=True)
+            for nodes, value in scored["static_tree_tau"].items():
+                print(f"{'':>14}  best static tree of {nodes} nodes (depth {scored['tree_depth']}): tau {value:.3f}", flush=True)
     return results
 
 

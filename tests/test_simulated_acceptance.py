@@ -11,9 +11,13 @@ from, and the figures predict nothing.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import build_tiny_llama, left_padded_batch, plain_generate
+from hf_specdec.trainers.data import TokenizedData
 from hf_specdec.trainers.objectives import DraftTrainingObjective
 from hf_specdec.trainers.target_states import run_target
 
@@ -113,15 +117,7 @@ def test_head_acceptance_benchmark_scores_heads_of_both_methods_in_one_run(fitte
     """`benchmarks/head_acceptance.py` keeps the target's features between heads: an EAGLE head (the
     last hidden state) and an EAGLE-3 head (three layers concatenated) read different ones, and
     each must score as it does alone (the shared cache once fed EAGLE's features to EAGLE-3)."""
-    import importlib.util
-    from pathlib import Path
-
-    from hf_specdec.trainers.data import TokenizedData
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "head_acceptance.py"
-    spec = importlib.util.spec_from_file_location("head_acceptance", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_bench()
     model, _, sequences, folder = fitted_head
     data = TokenizedData(
         input_ids=sequences.tolist(), loss_masks=[[0] * PROMPT_LEN + [1] * MAX_NEW_TOKENS for _ in sequences]
@@ -132,3 +128,68 @@ def test_head_acceptance_benchmark_scores_heads_of_both_methods_in_one_run(fitte
     alone = [bench.simulated_acceptance(head, model, data, TTT_STEPS, {}) for head in heads]
     assert together == alone
     assert together[1]["tau"] > 1.5  # the fitted EAGLE-3 head: a real score, not a degenerate one
+
+
+def _load_bench():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "head_acceptance.py"
+    spec = importlib.util.spec_from_file_location("head_acceptance", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_target_rank_is_zero_exactly_where_the_draft_hits(fitted_head):
+    """`target_rank` ranks the target's token among the head's most likely drafts: rank 0 is the
+    head's argmax (the chain's hit), and a smaller window only clips the ranks."""
+    model, _, sequences, folder = fitted_head
+    head = load_eagle_head(folder, target=model, method="eagle3")
+    loss_mask = torch.zeros_like(sequences)
+    loss_mask[:, PROMPT_LEN:] = 1
+    states = run_target(model, sequences, head.feature_layers_for(len(model.model.layers)))
+    objective = DraftTrainingObjective(head, num_steps=TTT_STEPS)
+    with torch.no_grad():
+        wide = objective(sequences, loss_mask, states, model.get_output_embeddings(), return_hits=True, rank_within=8)
+        narrow = objective(sequences, loss_mask, states, model.get_output_embeddings(), rank_within=2)
+    assert torch.equal(wide["target_rank"] == 0, wide["hits"])
+    assert torch.equal(narrow["target_rank"], wide["target_rank"].clamp(max=2))
+    ranked = wide["target_rank"][wide["draft_start"]]
+    assert ((ranked > 0) & (ranked < 8)).any()  # some misses of the chain are near misses a tree would catch
+
+
+def test_head_acceptance_tree_tau_spans_chain_to_every_token(fitted_head):
+    """A tree of width 1 is the chain; a tree as wide as the draft vocabulary holds the target's
+    path whole, so it accepts every labelled draft step; widths in between lie in between. The
+    best static tree of N nodes grows with N from the first draft alone to the whole path."""
+    bench = _load_bench()
+    model, _, sequences, folder = fitted_head
+    data = TokenizedData(
+        input_ids=sequences.tolist(), loss_masks=[[0] * PROMPT_LEN + [1] * MAX_NEW_TOKENS for _ in sequences]
+    )
+    head = load_eagle_head(folder, target=model, method="eagle3")  # its draft vocabulary is the whole one
+    vocab = model.config.vocab_size
+    trees = [(1,) * TTT_STEPS, (2, 2, 1), (4, 4, 4), (vocab,) * TTT_STEPS]
+    node_budgets = [1, TTT_STEPS, 8, vocab**TTT_STEPS]
+    scored = bench.simulated_acceptance(head, model, data, TTT_STEPS, {}, trees, node_budgets)
+    taus = [scored["tree_tau"][",".join(map(str, widths))] for widths in trees]
+    assert taus[0] == pytest.approx(scored["tau"])
+    assert taus == sorted(taus) and taus[0] < taus[-1]
+    # pair i starts a chain when its step-0 label (token i + 2) is an answer token; step j is labelled
+    # while token i + 2 + j is inside the sequence: min(k, width - 2 - i) steps from pair i
+    width = PROMPT_LEN + MAX_NEW_TOKENS
+    runs = [min(TTT_STEPS, width - 2 - i) for i in range(PROMPT_LEN - 2, width - 2)]
+    assert taus[-1] == pytest.approx(1 + sum(runs) / len(runs))
+
+    static = [scored["static_tree_tau"][nodes] for nodes in node_budgets]
+    # one node: the head's first draft alone (the chain's step 0); k nodes: at least the k-chain
+    assert static[0] == pytest.approx(1 + scored["acceptance_per_step"][0])
+    assert static[1] >= scored["tau"] - 1e-9
+    assert static == sorted(static) and static[2] > static[1]
+    assert static[-1] == pytest.approx(taus[-1])  # room for every node: the whole target path
+
+
+def test_head_acceptance_rejects_bad_tree_widths():
+    bench = _load_bench()
+    assert bench.parse_tree_widths("4,2,1") == (4, 2, 1)
+    for bad in ("", "4,,1", "0,2", "a"):
+        with pytest.raises(ValueError, match="--tree-widths"):
+            bench.parse_tree_widths(bad)

@@ -120,13 +120,18 @@ class DraftTrainingObjective(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, target: TargetBatch, target_lm_head: nn.Module,
-        return_hits: bool = False,
+        return_hits: bool = False, rank_within: int = 0,
     ) -> dict[str, torch.Tensor]:
         """Returns `loss_sum` (weighted over steps), `num_label_positions` (step 0), and per step
         `correct` / `counted` ([num_steps] each: draft argmax == target argmax), plus
         `accepted_len_sum` / `accepted_len_count` for the simulated acceptance length.
         `return_hits` adds `hits`, `[batch, width - 1, num_steps]` bool: draft step j from pair i
-        (the head's draft of token i + 2 + j) equals the target's argmax there."""
+        (the head's draft of token i + 2 + j) equals the target's argmax there.
+        `rank_within=R > 0` adds `target_rank`, `[batch, width - 1, num_steps]` long: where the
+        target's argmax ranks among the R most likely tokens of draft step j from pair i (0 = the
+        head's draft, so `target_rank == 0` is `hits`), R where it is not among them or there is no
+        label. Either adds `draft_start`, `[batch, width - 1]` bool: the pairs a draft chain starts
+        from (step 0 labelled), those the simulated acceptance length averages over."""
         head = self.head
         batch, width = input_ids.shape
         pairs = width - 1  # pair i = (f[i], t[i+1]) for i < width - 1
@@ -150,6 +155,7 @@ class DraftTrainingObjective(nn.Module):
         correct = torch.zeros(self.num_steps, dtype=torch.long, device=device)
         counted = torch.zeros(self.num_steps, dtype=torch.long, device=device)
         hits = torch.zeros(batch, pairs, self.num_steps, dtype=torch.bool, device=device)
+        target_rank = torch.full((batch, pairs, self.num_steps), rank_within, dtype=torch.long, device=device)
         for step in range(self.num_steps):
             hidden = head(
                 shifted(input_ids, 1 + step, pairs),
@@ -178,6 +184,10 @@ class DraftTrainingObjective(nn.Module):
                 correct[step] = hit.sum()
                 counted[step] = len(labels)
                 hits[rows, cols, step] = hit
+                if rank_within > 0:
+                    target_rank[rows, cols, step] = self._rank_of(
+                        predicted, target_argmax[labels], rank_within
+                    )
             features = hidden
         with torch.no_grad():
             # simulated acceptance length of a k = num_steps chain drafted from pair i: its leading hits
@@ -193,4 +203,24 @@ class DraftTrainingObjective(nn.Module):
         }
         if return_hits:
             out["hits"] = hits
+        if rank_within > 0:
+            out["target_rank"] = target_rank
+        if return_hits or rank_within > 0:
+            out["draft_start"] = starts
         return out
+
+    def _rank_of(self, predicted: torch.Tensor, target_ids: torch.Tensor, within: int) -> torch.Tensor:
+        """Per row of `predicted` ([rows, H] head outputs), the rank of `target_ids[row]` among the
+        head's `within` most likely drafts there; `within` where it is not among them. A block of
+        rows at a time, as the loss: one buffer of rows x draft vocabulary logits would be large."""
+        head = self.head
+        weight = head.output_head().weight
+        ranks = torch.full_like(target_ids, within)
+        step = block_rows(weight.shape[0])
+        for begin in range(0, len(target_ids), step):
+            logits = head.lm_head_input(predicted[begin : begin + step]) @ weight.T
+            top = head.draft_to_target(logits.topk(min(within, weight.shape[0]), dim=-1).indices)
+            match = top == target_ids[begin : begin + step, None]
+            found = match.any(dim=-1)
+            ranks[begin : begin + step][found] = match.int().argmax(dim=-1)[found]
+        return ranks
