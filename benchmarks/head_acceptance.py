@@ -147,8 +147,8 @@ def best_static_tree_tau(ranks: torch.Tensor, num_nodes: int) -> float:
     tree's accepted length summed over `ranks` ([chains, depth]) is the sum of its nodes' counts
     (how many chains start with that rank sequence). A prefix's count is at least its extensions',
     so the `num_nodes` largest counts form a tree (ties taken shallowest first) and no tree of that
-    size does better. The tree is fitted on the answers it scores, so the figure is a ceiling;
-    nodes have ranks below `num_nodes` (no tree of that size needs deeper ones).
+    size does better. The tree is fitted on the answers it scores, so the figure is a ceiling.
+    Nodes are restricted to ranks below `num_nodes` (a rarer draft than that rarely earns a place).
     """
     counts = []
     for depth in range(1, ranks.shape[1] + 1):
