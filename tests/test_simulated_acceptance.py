@@ -193,3 +193,27 @@ def test_head_acceptance_rejects_bad_tree_widths():
     for bad in ("", "4,,1", "0,2", "a"):
         with pytest.raises(ValueError, match="--tree-widths"):
             bench.parse_tree_widths(bad)
+
+
+def test_rank_of_matches_a_full_sort_of_the_heads_logits(fitted_head):
+    """`_rank_of` against ranks read off a full sort of the draft logits, through the draft ->
+    target vocabulary map (the fitted head's draft vocabulary is a permutation: d2t matters)."""
+    model, _, _, folder = fitted_head
+    head = load_eagle_head(folder, target=model, method="eagle3")
+    torch.manual_seed(1)
+    predicted = torch.randn(40, model.config.hidden_size)
+    with torch.no_grad():
+        logits = head.lm_head_input(predicted) @ head.output_head().weight.T
+    order = head.draft_to_target(logits.argsort(dim=-1, descending=True))  # target ids, most likely first
+    # one target per row at a known rank, 0..39: inside and outside the window of 8
+    expected = torch.arange(40)
+    target_ids = order[torch.arange(40), expected]
+    with torch.no_grad():
+        ranks = DraftTrainingObjective(head)._rank_of(predicted, target_ids, within=8)
+    assert torch.equal(ranks, expected.clamp(max=8))
+
+def test_head_acceptance_rejects_bad_tree_nodes(capsys):
+    bench = _load_bench()
+    with pytest.raises(SystemExit):
+        bench.main(["some-head", "--tree-nodes", "0"])
+    assert "--tree-nodes" in capsys.readouterr().err
