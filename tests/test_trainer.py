@@ -25,7 +25,7 @@ from hf_specdec.trainers.data import load_records, to_messages, tokenize_convers
 from safetensors.torch import load_file
 
 import hf_specdec
-from hf_specdec.eagle_heads import load_eagle_head
+from hf_specdec.eagle_heads import EagleHead, load_eagle_head
 
 # role markers are words of the tiny vocabulary: w3 = user, w4 = assistant, w5 = system
 CHAT_TEMPLATE = (
@@ -178,6 +178,44 @@ def test_init_from_continues_a_trained_head(target_folder, data_file, tmp_path):
         _train(target_folder, data_file, tmp_path / "bad", *common, "--init-from", str(first), "--draft-vocab-size", "64")
     with pytest.raises(ValueError, match="method"):
         _train(target_folder, data_file, tmp_path / "bad", "--method", "eagle", "--init-from", str(first))
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_deepened_head_starts_as_the_trained_head_and_trains_its_new_layers(method):
+    target = build_tiny_llama(initializer_range=0.5)
+    head = EagleHead.for_target(target, method, draft_vocab=list(range(96)) if method == "eagle3" else None, seed=1)
+    deeper = trainer.deepen_head(head, 3, target, seed=2)
+    assert len(deeper.layers) == 3 and deeper.head_config.num_layers == 3 and head.head_config.num_layers == 1
+    features = torch.randn(2, 9, head.fc.in_features - (head.head_config.hidden_size if method == "eagle" else 0))
+    input_ids, positions = torch.randint(5, 60, (2, 9)), torch.arange(9).expand(2, -1)
+    out = deeper(input_ids, features, positions)
+    assert torch.equal(out, head(input_ids, features, positions))
+    deeper.compute_logits(out).logsumexp(-1).sum().backward()
+    # the zeroed projections are where the new layers' gradient first arrives
+    for layer in deeper.layers[1:]:
+        assert layer.self_attn.o_proj.weight.grad.abs().sum() > 0 and layer.mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_init_from_with_more_layers_continues_the_same_head(target_folder, data_file, tmp_path):
+    common = ["--method", "eagle3", "--ttt-steps", "2", "--save-dtype", "float32"]
+    first = tmp_path / "first"
+    _train(target_folder, data_file, first, *common, "--draft-vocab-size", "96", "--num-epochs", "2")
+    continued = _train(target_folder, data_file, tmp_path / "same", *common, "--init-from", str(first),
+                       "--max-steps", "3", "--seed", "3")
+    deeper = tmp_path / "deeper"
+    deepened = _train(target_folder, data_file, deeper, *common, "--init-from", str(first), "--num-layers", "2",
+                      "--max-steps", "3", "--seed", "3")
+    # the first loss comes before any update: the added layer starts as the identity
+    assert deepened[0]["loss"] == pytest.approx(continued[0]["loss"], rel=1e-5)
+    assert deepened[2]["loss"] != continued[2]["loss"]  # and then it trains
+    model = hf_specdec.enable(build_tiny_llama(initializer_range=0.5))
+    assert load_eagle_head(deeper, target=model, method="eagle3").head_config.num_layers == 2
+    inputs = left_padded_batch([[2, 3, 11, 12, 13, 1, 2, 4], [2, 3, 40, 41, 1, 2, 4]])
+    out = model.generate(**inputs, max_new_tokens=16, do_sample=False,
+                         speculative_config={"method": "eagle3", "model": str(deeper), "num_speculative_tokens": 3})
+    assert torch.equal(out, plain_generate(model, **inputs, max_new_tokens=16, do_sample=False))
+    with pytest.raises(ValueError, match=r"--num-layers=1 is fewer than --init-from .* has \(2\); allowed: an integer >= 2"):
+        _train(target_folder, data_file, tmp_path / "bad", *common, "--init-from", str(deeper), "--num-layers", "1")
 
 
 def test_offline_hidden_states_cache(target_folder, data_file, tmp_path):

@@ -19,6 +19,7 @@ config.json, model.safetensors, README.md (model card), plus trainer_state.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -59,8 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--method", choices=("eagle", "eagle3"), default="eagle3")
     parser.add_argument("--init-from", default=None, metavar="HEAD",
                         help="start from this trained head (folder or Hub id) instead of a random one; its layers "
-                        "and draft vocabulary are kept, so --num-layers / --draft-vocab-size must match or be left out")
-    parser.add_argument("--num-layers", type=int, default=None, help="decoder layers in the head (default 1)")
+                        "and draft vocabulary are kept (--draft-vocab-size must match or be left out); a larger "
+                        "--num-layers appends layers that start as the identity")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="decoder layers in the head (default 1, or --init-from's)")
     parser.add_argument("--draft-vocab-size", type=int, default=None, help="EAGLE-3: size of the draft vocabulary (default 32000)")
     parser.add_argument("--ttt-steps", type=int, default=None, help="unrolled draft steps (default: 7 for eagle3, 1 for eagle)")
     parser.add_argument("--step-weight", type=float, default=0.8, help="loss weight of unrolled step j is step_weight**j")
@@ -162,18 +165,49 @@ def build_head(args, target, train_data: TokenizedData) -> EagleHead:
 
 def _head_to_continue(args, target) -> EagleHead:
     """--init-from: a trained head (e.g. one from the Hub, or an earlier run's output folder) to train
-    further on new data. Architecture and draft vocabulary are the head's own; asking for others
-    is an error rather than silently ignored."""
+    further on new data. Architecture and draft vocabulary are the head's own, except that
+    `--num-layers` may add decoder layers (`deepen_head`); asking for anything else is an error
+    rather than silently ignored."""
     head = load_eagle_head(args.init_from, target, method=args.method)
-    found = {"num_layers": head.head_config.num_layers, "draft_vocab_size": head.head_config.draft_vocab_size}
-    for name, value in found.items():
-        asked = getattr(args, name)
-        if asked is not None and asked != value:
-            raise ValueError(
-                f"--{name.replace('_', '-')}={asked} does not match --init-from {args.init_from!r}, which has "
-                f"{value}; allowed: {value} or leave it out"
-            )
+    have_layers = head.head_config.num_layers
+    if args.num_layers is not None and args.num_layers < have_layers:
+        raise ValueError(
+            f"--num-layers={args.num_layers} is fewer than --init-from {args.init_from!r} has ({have_layers}); "
+            f"allowed: an integer >= {have_layers} (layers are added, never dropped) or leave it out"
+        )
+    vocab = head.head_config.draft_vocab_size
+    if args.draft_vocab_size is not None and args.draft_vocab_size != vocab:
+        raise ValueError(
+            f"--draft-vocab-size={args.draft_vocab_size} does not match --init-from {args.init_from!r}, which has "
+            f"{vocab}; allowed: {vocab} or leave it out"
+        )
+    if args.num_layers is not None and args.num_layers > have_layers:
+        head = deepen_head(head, args.num_layers, target, seed=args.seed)
     return head.train()
+
+
+def deepen_head(head: EagleHead, num_layers: int, target, seed: int) -> EagleHead:
+    """`head` with decoder layers appended up to `num_layers`, each starting as the identity.
+
+    A new layer's attention `o_proj` and MLP `down_proj` start at zero, so both of its residual
+    branches add nothing and the deeper head drafts exactly as `head` does; the zeroed matrices
+    still get gradients (their inputs are not zero), so training grows the layers from there. This
+    adds capacity to a trained head without throwing away what it has learned.
+    """
+    config = copy.deepcopy(head.head_config)
+    config.decoder.num_hidden_layers = num_layers
+    with torch.random.fork_rng(devices=[]):  # reproducible new layers, the caller's RNG untouched
+        torch.manual_seed(seed)
+        deeper = EagleHead(config)
+    missing, unexpected = deeper.load_state_dict(head.state_dict(), strict=False)
+    new_layer_names = tuple(f"layers.{i}." for i in range(head.head_config.num_layers, num_layers))
+    if unexpected or not all(name.startswith(new_layer_names) for name in missing):
+        raise RuntimeError(f"deepening the head lost weights: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for layer in deeper.layers[head.head_config.num_layers :]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return deeper.to(dtype=head.fc.weight.dtype, device=head.fc.weight.device).bind_target(target)
 
 
 def reduce_sum(accelerator, value: torch.Tensor) -> torch.Tensor:
@@ -409,8 +443,6 @@ def _write_output(args, head: EagleHead, output: Path, progress: TrainingProgres
     """The Hub-ready folder: the head in --save-dtype, its card, and how it was trained (`held_out`
     names the evaluation records by their split seed, count and a hash of their indices, so a run
     continuing this head can check it holds out the same ones)."""
-    import copy
-
     saved = copy.deepcopy(head).to(getattr(torch, args.save_dtype)).eval()
     saved.save_pretrained(output)
     state = {
