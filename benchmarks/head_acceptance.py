@@ -4,6 +4,7 @@
     python benchmarks/head_acceptance.py runs/x/checkpoints/step_60 --architecture runs/x/init-head
     python benchmarks/head_acceptance.py model_cards/SmolLM2-135M-Instruct-eagle3 --steps 6 --tree-widths 4,2,2,1,1,1 \
         --tree-nodes 16 --tree-nodes 64
+    python benchmarks/head_acceptance.py model_cards/SmolLM2-135M-Instruct-eagle3 --by-target-confidence 0,0.5,0.9,1
 
 The target answers MT-bench and HumanEval first turns greedily (once; cached under `results/`),
 then each head is scored on those answers the way the trainer's held-out evaluation scores it
@@ -12,7 +13,8 @@ head's j-th draft equal the target's greedy token, given that drafts 0..j-1 did?
 decoding that is exactly what speculative generate() accepts, so `tau` (1 + mean accepted of a
 k = --steps chain) predicts the benchmark's tau without a timing run: a cheap way to compare
 checkpoints. Speed still comes from `hf-specdec bench`. `--tree-widths` / `--tree-nodes` also score
-draft trees (a ceiling for tree drafting, which generate() does not do: see `simulated_acceptance`).
+draft trees (a ceiling for tree drafting, which generate() does not do: see `simulated_acceptance`);
+`--by-target-confidence` splits the first drafts' acceptance by how sure the target was there.
 
 A head is a folder the drafter loads, or a trainer checkpoint (`<output>/checkpoints/step_N`,
 whose weights are the training objective's) given with `--architecture <a head folder of the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -94,11 +97,15 @@ def parse_tree_widths(text: str) -> tuple[int, ...]:
 @torch.no_grad()
 def simulated_acceptance(
     head: EagleHead, target, data, steps: int, states: dict, tree_widths: list[tuple[int, ...]] = (),
-    tree_nodes: list[int] = (),
+    tree_nodes: list[int] = (), confidence_edges: Sequence[float] = (),
 ) -> dict:
     """`tau` of a k = `steps` chain; per tree in `tree_widths` (w_1, ..., w_D) the tau of a full
     draft tree whose every node at depth d has the head's w_d most likely tokens as children; per
     N in `tree_nodes` the tau of the best static tree of N nodes (`best_static_tree_tau`).
+    `confidence_edges` (e.g. 0, 0.5, 0.9, 1) splits the chains' first drafts by the target's own
+    probability of its greedy token there (`by_target_confidence`: per bucket its share of the
+    positions, the head's acceptance and its share of the misses): do the misses sit where the
+    target itself hesitates, or where it is sure and a better head would follow it?
 
     The target's greedy path is in such a tree up to the first depth where its token is not among
     the tree's children there, given the path so far: those are exactly the draft steps of the
@@ -111,7 +118,7 @@ def simulated_acceptance(
     rank_within = max([1, *(max(widths) for widths in tree_widths), *tree_nodes])
     objective = DraftTrainingObjective(head.eval(), num_steps=depth).eval()
     correct = counted = 0
-    ranks = []
+    ranks, confidences = [], []
     feature_layers = head.feature_layers_for(len(target.model.layers))
     for begin in range(0, len(data), 4):
         batch = collate(data, list(range(begin, min(begin + 4, len(data)))))
@@ -123,6 +130,11 @@ def simulated_acceptance(
         )
         correct, counted = correct + out["correct"], counted + out["counted"]
         ranks.append(out["target_rank"][out["draft_start"]])
+        if confidence_edges:
+            if (begin, "top1") not in states:
+                states[(begin, "top1")] = target_top1_prob(states[key].final_hidden, target.get_output_embeddings())
+            # pair i's first draft is labelled by the target's logits at position i + 1
+            confidences.append(states[(begin, "top1")][:, 1:][out["draft_start"]])
     ranks = torch.cat(ranks)  # [chains, depth]: one chain per labelled position
 
     def tau(widths: tuple[int, ...]) -> float:
@@ -136,7 +148,46 @@ def simulated_acceptance(
         "tree_tau": {",".join(map(str, widths)): tau(widths) for widths in tree_widths},
         "static_tree_tau": {nodes: best_static_tree_tau(ranks, nodes) for nodes in tree_nodes},
         "tree_depth": depth,
+        "by_target_confidence": (
+            by_confidence(torch.cat(confidences), ranks[:, 0] == 0, confidence_edges) if confidence_edges else []
+        ),
     }
+
+
+@torch.no_grad()
+def target_top1_prob(final_hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
+    """`[batch, T]`: the target's probability of its own greedy token at each position (a row at a
+    time: a batch's full-vocabulary probabilities would be one large buffer)."""
+    weight = lm_head.weight.float()
+    return torch.stack([(row.float() @ weight.T).softmax(dim=-1).amax(dim=-1) for row in final_hidden])
+
+
+def by_confidence(confidence: torch.Tensor, hit: torch.Tensor, edges: Sequence[float]) -> list[dict]:
+    """Per bucket [edges[i], edges[i + 1]) of `confidence` (the last one closed): its share of the
+    positions, the acceptance of `hit` there and the bucket's share of all misses."""
+    rows, misses = [], (~hit).sum().clamp(min=1)
+    for i, (low, high) in enumerate(zip(edges, edges[1:])):
+        inside = (confidence >= low) & ((confidence <= high) if i == len(edges) - 2 else (confidence < high))
+        rows.append({
+            "low": low, "high": high, "share": inside.double().mean().item(),
+            "acceptance": hit[inside].double().mean().item() if inside.any() else float("nan"),
+            "share_of_misses": ((~hit) & inside).sum().item() / misses.item(),
+        })
+    return rows
+
+
+def parse_confidence_edges(text: str) -> tuple[float, ...]:
+    """`--by-target-confidence 0,0.5,0.9,1` -> (0.0, 0.5, 0.9, 1.0): increasing, within [0, 1]."""
+    try:
+        edges = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        edges = ()
+    if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:])) or edges[0] < 0 or edges[-1] > 1:
+        raise ValueError(
+            f"--by-target-confidence {text!r} is invalid; allowed: two or more increasing numbers in [0, 1], "
+            "comma-separated, e.g. 0,0.5,0.9,1"
+        )
+    return edges
 
 
 def best_static_tree_tau(ranks: torch.Tensor, num_nodes: int) -> float:
@@ -173,6 +224,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--tree-nodes", action="append", type=int, default=[], metavar="N",
         help="also score the best static draft tree of N nodes (repeatable)",
     )
+    parser.add_argument(
+        "--by-target-confidence", default=None, metavar="E0,E1,...",
+        help="also split the first drafts' acceptance by the target's probability of its greedy token, "
+        "at these bucket edges (increasing, from 0 to 1), e.g. 0,0.3,0.5,0.7,0.9,1",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
@@ -184,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         sets = parse_sets(args.sets)
         tree_widths = [parse_tree_widths(text) for text in args.tree_widths]
+        confidence_edges = parse_confidence_edges(args.by_target_confidence) if args.by_target_confidence else ()
     except ValueError as error:
         parser.error(str(error))
     torch.set_num_threads(args.threads)
@@ -201,7 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
         states: dict = {}
         for source in args.heads:
             head = load_head(source, model, args.architecture)
-            scored = simulated_acceptance(head, model, data, args.steps, states, tree_widths, args.tree_nodes)
+            scored = simulated_acceptance(
+                head, model, data, args.steps, states, tree_widths, args.tree_nodes, confidence_edges
+            )
             results.setdefault(source, {})[spec] = scored
             per_step = " ".join(f"{a:.3f}" for a in scored["acceptance_per_step"])
             print(f"{spec:>14}  tau(k={args.steps}) {scored['tau']:.3f}  per step {per_step}  {source}", flush=True)
@@ -209,6 +268,12 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{'':>14}  full tree {widths}: tau {value:.3f}", flush=True)
             for nodes, value in scored["static_tree_tau"].items():
                 print(f"{'':>14}  best static tree of {nodes} nodes (depth {scored['tree_depth']}): tau {value:.3f}", flush=True)
+            for bucket in scored["by_target_confidence"]:
+                print(
+                    f"{'':>14}  target p(greedy token) in [{bucket['low']:g}, {bucket['high']:g}]: "
+                    f"{bucket['share']:.3f} of positions, first draft accepted {bucket['acceptance']:.3f}, "
+                    f"{bucket['share_of_misses']:.3f} of the misses", flush=True,
+                )
     return results
 
 

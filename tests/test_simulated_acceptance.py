@@ -217,3 +217,41 @@ def test_head_acceptance_rejects_bad_tree_nodes(capsys):
     with pytest.raises(SystemExit):
         bench.main(["some-head", "--tree-nodes", "0"])
     assert "--tree-nodes" in capsys.readouterr().err
+
+
+def test_head_acceptance_splits_first_drafts_by_the_targets_confidence(fitted_head):
+    """`--by-target-confidence`: the buckets partition the chains' first drafts by the target's own
+    probability of its greedy token there (checked against the target's logits), and together
+    they give the first draft's acceptance."""
+    bench = _load_bench()
+    model, _, sequences, folder = fitted_head
+    data = TokenizedData(
+        input_ids=sequences.tolist(), loss_masks=[[0] * PROMPT_LEN + [1] * MAX_NEW_TOKENS for _ in sequences]
+    )
+    head = load_eagle_head(folder, target=model, method="eagle3")
+    # a chain starts at every position whose next token is an answer token: p(greedy token) there
+    with torch.no_grad():
+        top1 = model(sequences).logits.softmax(dim=-1).amax(dim=-1)[:, PROMPT_LEN - 1 : -1]
+    # the tiny random target is never sure of anything: edges at its own quantiles fill every bucket
+    edges = (0.0, top1.quantile(0.3).item(), top1.quantile(0.7).item(), 1.0)
+    scored = bench.simulated_acceptance(head, model, data, TTT_STEPS, {}, confidence_edges=edges)
+    buckets = scored["by_target_confidence"]
+    assert [(b["low"], b["high"]) for b in buckets] == list(zip(edges, edges[1:]))
+    assert all(b["share"] > 0.2 for b in buckets)
+    assert [b["share"] for b in buckets] == pytest.approx(
+        [((top1 >= low) & ((top1 < high) if high < 1 else (top1 <= high))).double().mean().item() for low, high in
+         zip(edges, edges[1:])]
+    )
+    assert sum(b["share"] for b in buckets) == pytest.approx(1)
+    assert sum(b["share_of_misses"] for b in buckets) == pytest.approx(1)
+    accepted = sum(b["share"] * b["acceptance"] for b in buckets)
+    assert accepted == pytest.approx(scored["acceptance_per_step"][0])
+    assert bench.simulated_acceptance(head, model, data, TTT_STEPS, {})["by_target_confidence"] == []
+
+
+def test_head_acceptance_rejects_bad_confidence_edges():
+    bench = _load_bench()
+    assert bench.parse_confidence_edges("0,0.5,1") == (0.0, 0.5, 1.0)
+    for bad in ("0.5", "0,0.5,0.4", "-0.1,1", "0,1.5", "a,b", "0,,1"):
+        with pytest.raises(ValueError, match="--by-target-confidence"):
+            bench.parse_confidence_edges(bad)
