@@ -212,6 +212,7 @@ def test_rank_of_matches_a_full_sort_of_the_heads_logits(fitted_head):
         ranks = DraftTrainingObjective(head)._rank_of(predicted, target_ids, within=8)
     assert torch.equal(ranks, expected.clamp(max=8))
 
+
 def test_head_acceptance_rejects_bad_tree_nodes(capsys):
     bench = _load_bench()
     with pytest.raises(SystemExit):

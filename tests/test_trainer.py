@@ -180,12 +180,14 @@ def test_init_from_continues_a_trained_head(target_folder, data_file, tmp_path):
         _train(target_folder, data_file, tmp_path / "bad", "--method", "eagle", "--init-from", str(first))
 
 
-@pytest.mark.parametrize("method", ["eagle3", "eagle"])
-def test_deepened_head_starts_as_the_trained_head_and_trains_its_new_layers(method):
-    target = build_tiny_llama(initializer_range=0.5)
+@pytest.mark.parametrize("method, bias", [("eagle3", False), ("eagle", False), ("eagle3", True)])
+def test_deepened_head_starts_as_the_trained_head_and_trains_its_new_layers(method, bias):
+    # bias: a target whose attention / MLP projections have biases; the head's layers copy them
+    target = build_tiny_llama(initializer_range=0.5, attention_bias=bias, mlp_bias=bias)
     head = EagleHead.for_target(target, method, draft_vocab=list(range(96)) if method == "eagle3" else None, seed=1)
     deeper = trainer.deepen_head(head, 3, target, seed=2)
     assert len(deeper.layers) == 3 and deeper.head_config.num_layers == 3 and head.head_config.num_layers == 1
+    assert (deeper.layers[2].self_attn.o_proj.bias is not None) == bias == (deeper.layers[2].mlp.down_proj.bias is not None)
     features = torch.randn(2, 9, head.fc.in_features - (head.head_config.hidden_size if method == "eagle" else 0))
     input_ids, positions = torch.randint(5, 60, (2, 9)), torch.arange(9).expand(2, -1)
     out = deeper(input_ids, features, positions)

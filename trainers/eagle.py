@@ -189,8 +189,8 @@ def _head_to_continue(args, target) -> EagleHead:
 def deepen_head(head: EagleHead, num_layers: int, target, seed: int) -> EagleHead:
     """`head` with decoder layers appended up to `num_layers`, each starting as the identity.
 
-    A new layer's attention `o_proj` and MLP `down_proj` start at zero, so both of its residual
-    branches add nothing and the deeper head drafts exactly as `head` does; the zeroed matrices
+    A new layer's attention `o_proj` and MLP `down_proj` start at zero (weights, and biases where
+    the target's config has them), so both of its residual branches add nothing and the deeper head drafts exactly as `head` does; the zeroed matrices
     still get gradients (their inputs are not zero), so training grows the layers from there. This
     adds capacity to a trained head without throwing away what it has learned.
     """
@@ -205,8 +205,10 @@ def deepen_head(head: EagleHead, num_layers: int, target, seed: int) -> EagleHea
         raise RuntimeError(f"deepening the head lost weights: missing {missing}, unexpected {unexpected}")
     with torch.no_grad():
         for layer in deeper.layers[head.head_config.num_layers :]:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+            for output_projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                output_projection.weight.zero_()
+                if output_projection.bias is not None:
+                    output_projection.bias.zero_()
     return deeper.to(dtype=head.fc.weight.dtype, device=head.fc.weight.device).bind_target(target)
 
 
