@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import AUTO, CPU_LINEAR_BACKENDS, METHODS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -163,7 +167,9 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_target(name: str, dtype, device: str):
+def load_target(
+    name: str, dtype: torch.dtype | str, device: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model with `hf_specdec.enable` applied, left-padding tokenizer with a pad token)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

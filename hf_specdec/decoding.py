@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .auto_k import AutoKController
@@ -87,9 +88,9 @@ def generate(
     stopping_criteria: StoppingCriteriaList | None = None,
     generation_config: GenerationConfig | None = None,
     synced_gpus: bool = False,
-    streamer=None,
+    streamer: BaseStreamer | None = None,
     speculative_config: SpeculativeConfig | dict | str | None = None,
-    speculative_streamer=None,
+    speculative_streamer: BaseStreamer | None = None,
     **model_kwargs,
 ) -> torch.LongTensor | SpeculativeGenerateOutput:
     """Speculative decoding, usable as `model.generate(..., custom_generate=hf_specdec.generate,

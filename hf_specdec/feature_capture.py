@@ -131,7 +131,7 @@ class TargetFeatureCapture:
         self.pending.drop(row)
 
 
-def capture_for_proposer(model: nn.Module, proposer) -> contextlib.AbstractContextManager:
+def capture_for_proposer(model: nn.Module, proposer: object) -> contextlib.AbstractContextManager:
     """A `TargetFeatureCapture` for drafters that declare `target_feature_layers`, else a no-op (None)."""
     layers = getattr(proposer, "target_feature_layers", None)
     if not layers:

@@ -17,6 +17,7 @@ cannot take it. This is a `Cache` subclass the model's attention layers write in
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -186,7 +187,7 @@ class PagedKVCache(Cache):
     def num_tokens_held(self) -> int:
         return sum(self.seq_lens.values())
 
-    def blocks_needed(self, tokens_per_row) -> int:
+    def blocks_needed(self, tokens_per_row: Iterable[int]) -> int:
         """Blocks that rows holding these many tokens need at the least."""
         return int(sum(self.blocks_for(int(n)) for n in tokens_per_row))
 

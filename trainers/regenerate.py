@@ -27,10 +27,14 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 
 from .data import check_chat_template, load_records, to_messages
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
@@ -45,7 +49,7 @@ def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
 
 @torch.no_grad()
 def generate_answers(
-    model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None
 ) -> list[tuple[str, bool]]:
     """(answer, truncated: cut by max_new_tokens) for each chat prompt of a batch, in order (a
     left-padding tokenizer). Greedy unless `sampling` says otherwise."""
@@ -65,7 +69,7 @@ def generate_answers(
 
 
 def answer_batch(
-    model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None
 ) -> list[dict]:
     """The target's answers to a batch of chat prompts as trainer records
     `{"messages": [*prompt, answer], "truncated": bool}`; empty answers are dropped."""
@@ -113,8 +117,8 @@ def _next_user_turn(conversation: Conversation, tokenizer, max_turn_tokens: int)
 
 
 def answer_conversations(
-    model, tokenizer, conversations: list[Conversation], out, turns: int, max_new_tokens: int,
-    max_turn_tokens: int, batch_size: int, sampling: dict | None = None,
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], out: TextIO,
+    turns: int, max_new_tokens: int, max_turn_tokens: int, batch_size: int, sampling: dict | None = None,
 ) -> None:
     """Answer up to `turns` user turns of each conversation, one turn of all of them at a time
     (rows batched by prompt length), writing each conversation to `out` (jsonl) when it ends."""

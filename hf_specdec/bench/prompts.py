@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..real_models import humaneval_prompts, mtbench_prompts
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PROMPT_SETS = {"mt-bench": mtbench_prompts, "humaneval": humaneval_prompts}
 
 
-def load_prompts(source: str, tokenizer, limit: int | None = None) -> list[str]:
+def load_prompts(source: str, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[str]:
     """Prompt strings ready to tokenize.
 
     `source`: "mt-bench" (first turns), "humaneval", or a jsonl file whose records have a "prompt"

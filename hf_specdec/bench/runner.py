@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..auto_k import predicted_speedup
 from ..cpu_linear import fast_cpu_linears, linear_plan, resolve_backend
@@ -65,7 +65,7 @@ class ArmRuns:
 
 
 def run_benchmark(
-    model: PreTrainedModel, tokenizer, prompts: list[str], settings: BenchSettings, progress: bool = True
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], settings: BenchSettings, progress: bool = True
 ) -> dict:
     """Every arm of `settings` over `prompts`; returns the results (`report.py` prints / saves them).
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+
 from ..config import SpeculativeConfig
 from ..paged_cache import PagedKVCache
 from .base import DraftProposal, Proposer, ProposeRequest
@@ -28,9 +30,9 @@ __all__ = [
 
 def build_proposer(
     config: SpeculativeConfig,
-    target_model,
-    generation_config=None,
-    logits_processor=None,
+    target_model: PreTrainedModel,
+    generation_config: GenerationConfig | None = None,
+    logits_processor: LogitsProcessorList | None = None,
     target_cache: PagedKVCache | None = None,
 ) -> Proposer:
     """The drafter `config.method` names, ready for `target_model`.

@@ -36,7 +36,7 @@ _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def load_draft_model(spec, target: PreTrainedModel) -> PreTrainedModel:
+def load_draft_model(spec: PreTrainedModel | str | os.PathLike, target: PreTrainedModel) -> PreTrainedModel:
     """The draft `speculative_config.model` names: a loaded model, a folder or a Hub id.
 
     A folder or Hub id is loaded once per target, in the target's dtype and on its device; a Hub id

@@ -25,10 +25,14 @@ one token per row per recursive step. No drafts at a row's first step: the targe
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
+
+if TYPE_CHECKING:
+    from transformers.modeling_layers import MtpModel
 
 from ..paged_attention import use_paged_attention
 from ..paged_cache import PagedKVCache
@@ -59,7 +63,7 @@ def num_mtp_layers_of(target: PreTrainedModel) -> int:
     return int(count)
 
 
-def load_mtp_model(spec, target: PreTrainedModel):
+def load_mtp_model(spec: MtpModel | None, target: PreTrainedModel) -> MtpModel:
     """transformers' `MtpModel` for the target: `spec` when it is one, else read from the target's checkpoint."""
     from transformers.modeling_layers import MtpModel
 
