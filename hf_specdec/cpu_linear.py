@@ -35,7 +35,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
-import statistics
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -180,8 +179,11 @@ def plan_backends(
 ) -> BackendPlan:
     """Time torch's BLAS (as x @ weight.T and as weight @ x.T), oneDNN (where torch has it) and
     the numba kernel (up to `SMALL_BATCH_ROWS` rows) over passes through `linears` at each row
-    count; the median of `repeats` passes, taken in a rotating order so that drift hits every
-    route alike, picks the route for that count.
+    count; the fastest of `repeats` passes, taken in a rotating order so that drift hits every
+    route alike, picks the route for that count. The fastest pass, not the median: on a shared
+    machine a disturbance only ever adds time. With the median, a benchmark process on a 2-core
+    AVX2 EPYC planned torch_t for 2 rows, where whole SmolLM2 forwards take 64 ms against numba's 53
+    (its head-alone k=1 verify steps then took 79 ms, against 59 in a process that planned numba).
     """
     routes = ["torch", "torch_t", *(["onednn"] if onednn_available() else []), "numba"]
     with torch.no_grad():
@@ -195,7 +197,7 @@ def plan_backends(
                 shift = repeat % len(candidates)
                 for route in candidates[shift:] + candidates[:shift]:
                     seconds[route].append(time_pass(route, count, linears))
-            chosen.append(min(candidates, key=lambda route: statistics.median(seconds[route])))
+            chosen.append(min(candidates, key=lambda route: min(seconds[route])))
     return BackendPlan(rows=tuple(rows), backends=tuple(chosen))
 
 

@@ -256,6 +256,21 @@ def test_plan_takes_the_fastest_route_per_row_count():
     assert plan.describe() == "rows 1-3: torch, 4: numba, 5-8: onednn, 9-16: torch_t, more: torch"
 
 
+def test_plan_is_not_fooled_by_disturbed_passes():
+    # numba is the faster route (1.0 against 1.2), but another process slows two of its three
+    # passes: a disturbance only adds time, so the fastest pass still tells the routes apart
+    calls = {"numba": 0}
+
+    def time_pass(route, rows, linears):
+        if route != "numba":
+            return {"torch": 3.0, "torch_t": 1.2, "onednn": 2.0}[route]
+        calls["numba"] += 1
+        return 1.0 if calls["numba"] % 3 == 0 else 1.9
+
+    plan = plan_backends([torch.nn.Linear(8, 8)], rows=(2,), repeats=3, time_pass=time_pass)
+    assert plan.backends == ("numba",)
+
+
 def test_auto_runs_each_row_count_through_its_planned_route(monkeypatch, tiny_llama):
     plan = BackendPlan(rows=(1, 2, 4), backends=("torch", "numba", "onednn"))
     monkeypatch.setattr(cpu_linear, "_plan_for", lambda linears: plan)
