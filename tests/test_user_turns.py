@@ -111,6 +111,7 @@ def test_shuffle_is_a_seeded_permutation_and_slices_still_know_every_first_turn(
     (["--max-records", "0"], "--max-records=0 is invalid; allowed: an integer >= 1"),
     (["--min-chars", "1000"], "no user turn of --data passes"),
     (["--turns", "second"], "invalid choice: 'second'"),
+    (["--shuffle-seed", "-1"], "--shuffle-seed=-1 is invalid; allowed: an integer >= 0"),
 ])
 def test_bad_arguments_name_the_flag(conversations_file, tmp_path, capsys, bad, message):
     with pytest.raises(SystemExit):

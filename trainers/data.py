@@ -60,6 +60,25 @@ def load_records(source: str | os.PathLike, split: str = "train") -> datasets.Da
     return datasets.load_dataset(str(source), split=split)
 
 
+def check_slice(skip_records: int, max_records: int | None) -> None:
+    """ValueError naming the flag for a negative --skip-records or a --max-records below 1 (callers
+    check before loading a model, so a typo fails at once)."""
+    if skip_records < 0:
+        raise ValueError(f"--skip-records={skip_records} is invalid; allowed: an integer >= 0")
+    if max_records is not None and max_records < 1:
+        raise ValueError(f"--max-records={max_records} is invalid; allowed: an integer >= 1")
+
+
+def slice_records(records: datasets.Dataset, skip_records: int = 0, max_records: int | None = None) -> datasets.Dataset:
+    """Records `skip_records` to `skip_records + max_records` (the next slice of a dataset);
+    ValueError naming the flag for bad values (`check_slice`) or a skip past the end."""
+    check_slice(skip_records, max_records)
+    if skip_records and skip_records >= len(records):
+        raise ValueError(f"--skip-records={skip_records} is invalid; allowed: fewer than the {len(records)} records of --data")
+    end = len(records) if max_records is None else min(skip_records + max_records, len(records))
+    return records.select(range(skip_records, end))
+
+
 def to_messages(record: dict) -> list[dict]:
     """The record's turns as `[{"role", "content"}]` (ShareGPT or OpenAI shape)."""
     if record.get("messages") is not None:

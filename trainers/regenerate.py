@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import torch
 
-from .data import check_chat_template, load_records, to_messages
+from .data import check_chat_template, check_slice, load_records, slice_records, to_messages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -189,13 +189,15 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("turns", "max_records", "min_prompt_tokens", "max_prompt_tokens", "max_new_tokens", "batch_size",
+    for name in ("turns", "min_prompt_tokens", "max_prompt_tokens", "max_new_tokens", "batch_size",
                  "num_threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}={value} is invalid; allowed: an integer >= 1")
-    if args.skip_records < 0:
-        parser.error(f"--skip-records={args.skip_records} is invalid; allowed: an integer >= 0")
+    try:
+        check_slice(args.skip_records, args.max_records)
+    except ValueError as error:
+        parser.error(str(error))
     if args.min_prompt_tokens > args.max_prompt_tokens:
         parser.error(f"--min-prompt-tokens={args.min_prompt_tokens} is invalid; allowed: at most "
                      f"--max-prompt-tokens={args.max_prompt_tokens}")
@@ -212,10 +214,10 @@ def main(argv: list[str] | None = None) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code, padding_side="left")
     check_chat_template(tokenizer)
     records = load_records(args.data, args.data_split)
-    if args.skip_records and args.skip_records >= len(records):
-        parser.error(f"--skip-records={args.skip_records} is invalid; allowed: fewer than the {len(records)} records of --data")
-    end = len(records) if args.max_records is None else min(args.skip_records + args.max_records, len(records))
-    records = records.select(range(min(args.skip_records, end), end))
+    try:
+        records = slice_records(records, args.skip_records, args.max_records)
+    except ValueError as error:
+        parser.error(str(error))
     conversations = []
     for record in records:
         messages = to_messages(record)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import load_records, to_messages
+from .data import load_records, slice_records, to_messages
 
 TURNS = ("first", "later", "all")
 # Openings of a turn that points back at the conversation before it (what "it" is, what to
@@ -110,19 +110,13 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--max-records", type=int, default=None, help="read at most N records of --data")
     parser.add_argument("--shuffle-seed", type=int, default=None, help="shuffle the output (default: record order)")
     args = parser.parse_args(argv)
-    for name in ("skip_records", "max_records"):
-        value = getattr(args, name)
-        if value is not None and value < (1 if name == "max_records" else 0):
-            parser.error(f"--{name.replace('_', '-')}={value} is invalid; allowed: an integer >= "
-                         f"{1 if name == 'max_records' else 0}")
-    records = load_records(args.data, args.data_split)
-    if args.skip_records >= len(records):
-        parser.error(f"--skip-records={args.skip_records} is invalid; allowed: fewer than the {len(records)} records of --data")
-    end = len(records) if args.max_records is None else min(args.skip_records + args.max_records, len(records))
+    if args.shuffle_seed is not None and args.shuffle_seed < 0:
+        parser.error(f"--shuffle-seed={args.shuffle_seed} is invalid; allowed: an integer >= 0")
     try:
+        records = load_records(args.data, args.data_split)
         # "not also a first turn" looks at the whole dataset, not only the slice read
-        selected = select_user_turns(records.select(range(args.skip_records, end)), args.turns, args.min_chars,
-                                     args.skip_openings.split(","), args.match, first_turns_of=records)
+        selected = select_user_turns(slice_records(records, args.skip_records, args.max_records), args.turns,
+                                     args.min_chars, args.skip_openings.split(","), args.match, first_turns_of=records)
     except ValueError as error:
         parser.error(str(error))
     if not selected:
