@@ -143,7 +143,9 @@ def sharegpt_jsonl() -> Path:
     path = cache_dir() / "sharegpt.jsonl"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
+        # one partial file per process: the processes of an `accelerate launch` may all write it
+        # at once, and each then swaps in a whole file
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         with open(partial, "w") as out:
             for record in sharegpt_conversations():
                 out.write(json.dumps(record) + "\n")

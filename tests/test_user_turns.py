@@ -120,6 +120,21 @@ def test_bad_arguments_name_the_flag(conversations_file, tmp_path, capsys, bad, 
     assert not (tmp_path / "x.jsonl").exists()
 
 
+def test_sharegpt_jsonl_is_written_once_whole(tmp_path, monkeypatch):
+    from hf_specdec import real_models
+
+    monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(real_models, "sharegpt_conversations", lambda: RECORDS)
+    # another process's unfinished partial file is neither read nor clobbered
+    (tmp_path / "sharegpt.jsonl.12345.partial").write_text("{\"conversations\": [")
+    path = real_models.sharegpt_jsonl()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == RECORDS
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sharegpt.jsonl", "sharegpt.jsonl.12345.partial"]
+    monkeypatch.setattr(real_models, "sharegpt_conversations", lambda: pytest.fail("written twice"))
+    assert real_models.sharegpt_jsonl() == path
+    assert [to_messages(r) for r in load_records("sharegpt")] == [to_messages(r) for r in RECORDS]
+
+
 @pytest.mark.slow
 def test_data_sharegpt_reads_the_wheels_conversations():
     from hf_specdec.real_models import sharegpt_conversations
