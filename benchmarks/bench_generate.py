@@ -25,7 +25,7 @@ import torch
 
 import hf_specdec
 from hf_specdec.bench import BenchSettings, format_table, load_prompts, run_benchmark
-from hf_specdec.real_models import load_smollm2, sharegpt_conversations
+from hf_specdec.models.real_models import load_smollm2, sharegpt_conversations
 
 
 def run_set(model, tokenizer, name: str, limit: int, batch_size: int, args) -> dict:

@@ -23,7 +23,7 @@ import torch
 from transformers.generation import candidate_generator
 
 import hf_specdec
-from hf_specdec.real_models import humaneval_prompts, load_smollm2, mtbench_prompts
+from hf_specdec.models.real_models import humaneval_prompts, load_smollm2, mtbench_prompts
 
 PROMPT_SETS = {"humaneval": humaneval_prompts, "mt-bench": mtbench_prompts}
 

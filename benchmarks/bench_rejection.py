@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 import hf_specdec
-from hf_specdec.metadata import SpecDecodeMetadata
-from hf_specdec.rejection_sampler import (
+from hf_specdec.sampling.metadata import SpecDecodeMetadata
+from hf_specdec.sampling.rejection_sampler import (
     BACKEND_ENV_VAR,
     RandomDraws,
     rejection_backend,
@@ -54,7 +54,7 @@ GPU_MODES = ("greedy", "sampled", "sampled_draft_probs")
 
 
 def cpu_sampler_share(args: argparse.Namespace) -> list[dict]:
-    from hf_specdec.real_models import humaneval_prompts, load_smollm2
+    from hf_specdec.models.real_models import humaneval_prompts, load_smollm2
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from test_rejection_kernels import ROW_KINDS, random_case  # noqa: E402
 
 from hf_specdec.kernels.rejection import LaunchTiles, rejection_sample_triton  # noqa: E402
-from hf_specdec.rejection_sampler import RandomDraws, rejection_sample_reference  # noqa: E402
+from hf_specdec.sampling.rejection_sampler import RandomDraws, rejection_sample_reference  # noqa: E402
 
 VOCAB_SIZES = (7, 128, 1000, 50_000, 151_936)
 

@@ -35,8 +35,8 @@ from hf_specdec.trainers.regenerate import answer_batch
 from hf_specdec.trainers.target_states import run_target
 from safetensors.torch import load_file
 
-from hf_specdec.eagle_heads import EagleHead, load_eagle_head
-from hf_specdec.real_models import humaneval_user_turns, load_smollm2, mtbench_user_turns
+from hf_specdec.heads.eagle_heads import EagleHead, load_eagle_head
+from hf_specdec.models.real_models import humaneval_user_turns, load_smollm2, mtbench_user_turns
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 USER_TURNS = {"mt-bench": mtbench_user_turns, "humaneval": humaneval_user_turns}

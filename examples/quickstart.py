@@ -13,7 +13,7 @@ import time
 import torch
 
 import hf_specdec
-from hf_specdec.real_models import humaneval_prompts, load_smollm2
+from hf_specdec.models.real_models import humaneval_prompts, load_smollm2
 
 SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 

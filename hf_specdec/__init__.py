@@ -7,13 +7,13 @@
 or, without patching: `model.generate(**inputs, custom_generate=hf_specdec.generate, speculative_config=...)`.
 """
 
+from .cache.paged_cache import CacheExhaustedError, PagedKVCache
 from .config import SpeculativeConfig
-from .cpu_linear import fast_cpu_linears
-from .decoding import SpeculativeGenerateOutput, generate
-from .eagle_heads import EagleHead, load_eagle_head
-from .integration import disable, enable
-from .metrics import SpecDecodeMetrics
-from .paged_cache import CacheExhaustedError, PagedKVCache
+from .heads.eagle_heads import EagleHead, load_eagle_head
+from .loop.decoding import SpeculativeGenerateOutput, generate
+from .loop.integration import disable, enable
+from .loop.metrics import SpecDecodeMetrics
+from .models.cpu_linear import fast_cpu_linears
 
 __all__ = [
     "CacheExhaustedError",

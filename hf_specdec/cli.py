@@ -173,8 +173,8 @@ def load_target(
     """(model with `hf_specdec.enable` applied, left-padding tokenizer with a pad token)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .integration import enable
-    from .real_models import load_smollm2
+    from .loop.integration import enable
+    from .models.real_models import load_smollm2
 
     if name == "smollm2":
         model, tokenizer = load_smollm2(torch.float32 if dtype == "auto" else dtype, device)

@@ -11,8 +11,9 @@ import torch
 from conftest import build_tiny_llama, ngram_config, plain_generate, repeated_span_batch
 
 import hf_specdec
-from hf_specdec import SpeculativeConfig, decoding
-from hf_specdec.auto_k import (
+from hf_specdec import SpeculativeConfig
+from hf_specdec.loop import decoding
+from hf_specdec.loop.auto_k import (
     AutoKController,
     best_k,
     best_k_for_costs,
@@ -20,7 +21,7 @@ from hf_specdec.auto_k import (
     choose_k_for_costs,
     predicted_speedup,
 )
-from hf_specdec.metrics import SpecDecodeMetrics
+from hf_specdec.loop.metrics import SpecDecodeMetrics
 
 # --- the formula ----------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from conftest import build_tiny_llama
 
 from hf_specdec import cli
 from hf_specdec.bench.arms import BenchSettings, build_arms
-from hf_specdec.cpu_linear import PLAN_ROWS
+from hf_specdec.models.cpu_linear import PLAN_ROWS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # user turns as their words, then "w3" opens the answer: every piece is in the word vocabulary

@@ -29,8 +29,8 @@ from test_sampling_distribution import (
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import hf_specdec
-from hf_specdec import decoding
-from hf_specdec.proposers import DraftModelProposer, DraftSampling, ProposeRequest
+from hf_specdec.drafters import DraftModelProposer, DraftSampling, ProposeRequest
+from hf_specdec.loop import decoding
 
 
 def perturbed_copy(target, num_layers: int | None = None, noise: float = 0.1, seed: int = 1, **overrides):
@@ -127,7 +127,7 @@ def test_draft_loaded_from_a_folder(target, drafts, tmp_path):
     assert torch.equal(by_path.sequences, by_object.sequences)
     assert by_path.spec_metrics["num_accepted_tokens"] == by_object.spec_metrics["num_accepted_tokens"]
     # loaded once per target, not on every call
-    loaded = hf_specdec.proposers.draft_model._LOADED[target]
+    loaded = hf_specdec.drafters.draft_model._LOADED[target]
     assert list(loaded) == [str(tmp_path / "draft")]
 
 
@@ -316,7 +316,7 @@ def test_mismatched_tokenizers_rejected(target, drafts, word_tokenizer, tmp_path
     target.config.name_or_path = str(tmp_path / "target")
     try:
         draft.config.name_or_path = str(tmp_path / "target")  # the same tokenizer: accepted
-        hf_specdec.proposers.check_draft_compatible(draft, target)
+        hf_specdec.drafters.check_draft_compatible(draft, target)
         draft = perturbed_copy(target, num_layers=1)
         draft.config.name_or_path = str(tmp_path / "draft")
         with pytest.raises(ValueError, match=r"tokenizer vocabulary \(4 token/id pairs differ\)"):

@@ -26,12 +26,12 @@ from conftest import (
 from test_sampling_distribution import SETTINGS, chi_square_pvalue, exact_distribution, speculative_samples
 
 import hf_specdec
-from hf_specdec import decoding
-from hf_specdec.eagle_heads import EagleHead
-from hf_specdec.feature_capture import PendingFeatures, target_features
-from hf_specdec.proposers import ProposeRequest
-from hf_specdec.proposers.eagle import EagleProposer
-from hf_specdec.rejection_sampler import RandomDraws, rejection_sample
+from hf_specdec.drafters import ProposeRequest
+from hf_specdec.drafters.eagle import EagleProposer
+from hf_specdec.heads.eagle_heads import EagleHead
+from hf_specdec.loop import decoding
+from hf_specdec.models.feature_capture import PendingFeatures, target_features
+from hf_specdec.sampling.rejection_sampler import RandomDraws, rejection_sample
 
 METHODS = ("eagle", "eagle3")
 
@@ -183,7 +183,7 @@ def test_rows_not_drafting_defer_the_head(tiny_llama, method, monkeypatch):
     """k = 0 calls (one new feature each, as a plain decode step gives) run no head forward: the
     features wait, and the first call that drafts feeds them all at once, with the drafts of a
     head fed every step. Past MAX_PENDING_POSITIONS a row feeds them even without drafting."""
-    from hf_specdec.proposers import drafting
+    from hf_specdec.drafters import drafting
 
     model = tiny_llama
     head = random_head(model, method)

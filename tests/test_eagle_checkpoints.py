@@ -16,8 +16,8 @@ from conftest import plain_generate, repeated_span_batch
 from safetensors.torch import save_file
 
 import hf_specdec
-from hf_specdec.eagle_heads import EagleHead, load_eagle_head
-from hf_specdec.proposers import build_proposer
+from hf_specdec.drafters import build_proposer
+from hf_specdec.heads.eagle_heads import EagleHead, load_eagle_head
 
 H, INTER, HEADS, KV_HEADS, HEAD_DIM, V = 64, 128, 4, 2, 16, 128  # conftest's tiny Llama
 DRAFT_VOCAB = 96

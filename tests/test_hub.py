@@ -15,8 +15,8 @@ from conftest import plain_generate, repeated_span_batch
 from huggingface_hub import CommitInfo, HfApi, ModelCard, constants, scan_cache_dir
 from huggingface_hub.utils import filter_repo_objects
 
-from hf_specdec.eagle_heads import EagleHead
-from hf_specdec.hub import push_head_folder
+from hf_specdec.heads.eagle_heads import EagleHead
+from hf_specdec.heads.hub import push_head_folder
 
 REPO_ID = "org/tiny-eagle3"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

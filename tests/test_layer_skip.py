@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
-from hf_specdec.proposers import LayerSkipProposer
+from hf_specdec.drafters import LayerSkipProposer
 
 NUM_LAYERS = 4
 

@@ -9,7 +9,7 @@ from hf_specdec.trainers import lm_head_loss
 from hf_specdec.trainers.lm_head_loss import soft_label_cross_entropy
 from hf_specdec.trainers.objectives import target_labels
 
-from hf_specdec.eagle_heads import EagleHead
+from hf_specdec.heads.eagle_heads import EagleHead
 
 
 @pytest.fixture

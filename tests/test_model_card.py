@@ -9,7 +9,7 @@ from importlib import resources
 import pytest
 from huggingface_hub import ModelCard
 
-from hf_specdec.model_card import (
+from hf_specdec.heads.model_card import (
     OPTIONAL_FIELDS,
     REQUIRED_FIELDS,
     TEMPLATE_NAME,

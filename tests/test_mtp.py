@@ -23,9 +23,9 @@ from transformers.modeling_layers import MtpModel
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3PreTrainedModel
 
 import hf_specdec
-from hf_specdec.feature_capture import PendingFeatures
-from hf_specdec.proposers import ProposeRequest
-from hf_specdec.proposers.mtp import MtpProposer
+from hf_specdec.drafters import ProposeRequest
+from hf_specdec.drafters.mtp import MtpProposer
+from hf_specdec.models.feature_capture import PendingFeatures
 
 NUM_LAYERS = 2
 
@@ -250,7 +250,7 @@ def test_k_beyond_the_mtp_layers_reuses_the_last_layer(target, monkeypatch):
     assert torch.equal(out.sequences, plain)
     assert len(out.spec_metrics["num_accepted_tokens_per_pos"]) >= 2
     assert out.spec_metrics["num_accepted_tokens_per_pos"][1] > 0
-    mtp = hf_specdec.proposers.mtp._LOADED[target]
+    mtp = hf_specdec.drafters.mtp._LOADED[target]
     checked = 0
     with torch.no_grad():
         for context, drafted in recorder.ours:
@@ -264,9 +264,9 @@ def test_rows_not_drafting_leave_their_states_waiting(target, monkeypatch):
     """k = 0 calls (one new hidden state each, as a plain decode step gives) run no MTP forward: the
     states wait in the loop's queue, and the first call that drafts feeds them all at once, with
     the drafts of a layer fed every step. Past MAX_PENDING_POSITIONS a row feeds them anyway."""
-    from hf_specdec.proposers import drafting
+    from hf_specdec.drafters import drafting
 
-    mtp = hf_specdec.proposers.mtp.load_mtp_model(None, target)
+    mtp = hf_specdec.drafters.mtp.load_mtp_model(None, target)
     context = [5, 9, 14, 5, 9, 14, 7, 22, 31, 40, 5, 9]
     with torch.no_grad():
         hidden = target(input_ids=torch.tensor([context]), output_hidden_states=True).hidden_states[-1][0]

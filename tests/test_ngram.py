@@ -7,7 +7,7 @@ import pytest
 from conftest import build_tiny_llama
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.proposers import NgramProposer, ProposeRequest, build_proposer
+from hf_specdec.drafters import NgramProposer, ProposeRequest, build_proposer
 
 
 def reference_draft(context: list[int], min_n: int, max_n: int, k: int) -> list[int]:

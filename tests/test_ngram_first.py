@@ -12,10 +12,11 @@ from test_eagle import random_head
 from test_sampling_distribution import SETTINGS, chi_square_pvalue, exact_distribution, speculative_samples
 
 import hf_specdec
-from hf_specdec import SpeculativeConfig, decoding
-from hf_specdec.proposers import DraftProposal, NgramFirstProposer, NgramProposer, ProposeRequest
-from hf_specdec.proposers.eagle import EagleProposer
-from hf_specdec.proposers.ngram_first import _with_one_hot_rows
+from hf_specdec import SpeculativeConfig
+from hf_specdec.drafters import DraftProposal, NgramFirstProposer, NgramProposer, ProposeRequest
+from hf_specdec.drafters.eagle import EagleProposer
+from hf_specdec.drafters.ngram_first import _with_one_hot_rows
+from hf_specdec.loop import decoding
 
 
 def test_config():
@@ -75,7 +76,7 @@ def test_greedy_matches_plain_generate(enabled_llama, method, batch_size, monkey
 def test_fast_linears_reach_the_wrapped_head(enabled_llama):
     head = random_head(enabled_llama, "eagle3")
     config = SpeculativeConfig(method="eagle3", model=head, num_speculative_tokens=1, prompt_lookup_max=2)
-    proposer = hf_specdec.proposers.build_proposer(config, enabled_llama)
+    proposer = hf_specdec.drafters.build_proposer(config, enabled_llama)
     assert isinstance(proposer, NgramFirstProposer)
     assert proposer.target_feature_layers == proposer.drafter.target_feature_layers
     assert decoding._drafter_networks(proposer) == [proposer.drafter.head]

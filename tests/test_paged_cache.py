@@ -10,7 +10,7 @@ from conftest import build_tiny_llama, ngram_config, plain_generate, repeated_sp
 
 import hf_specdec
 from hf_specdec import CacheExhaustedError, PagedKVCache
-from hf_specdec.paged_attention import ATTENTION_NAME, use_paged_attention
+from hf_specdec.cache.paged_attention import ATTENTION_NAME, use_paged_attention
 
 NUM_KV_HEADS, HEAD_DIM = 2, 4
 
@@ -308,7 +308,7 @@ def test_generate_with_small_blocks_and_exact_pool(block_size):
 
 def test_generate_returns_every_block(monkeypatch):
     """Rows that finish (EOS at different steps, or max_new_tokens) hand their blocks back."""
-    from hf_specdec import decoding
+    from hf_specdec.loop import decoding
 
     caches = []
     original = decoding.PagedKVCache.for_model

@@ -31,8 +31,8 @@ from test_sampling_distribution import (
 )
 from test_sampling_distribution import model as sampling_model  # noqa: F401  (module-scoped fixture)
 
-from hf_specdec.metadata import SpecDecodeMetadata
-from hf_specdec.rejection_sampler import (
+from hf_specdec.sampling.metadata import SpecDecodeMetadata
+from hf_specdec.sampling.rejection_sampler import (
     BACKEND_ENV_VAR,
     RandomDraws,
     rejection_backend,
@@ -335,7 +335,7 @@ def test_package_imports_without_triton():
     script = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch, hf_specdec\n"
-        "from hf_specdec.rejection_sampler import rejection_backend\n"
+        "from hf_specdec.sampling.rejection_sampler import rejection_backend\n"
         "assert rejection_backend(torch.device('cuda')) == 'torch'\n"
         "assert not any(name.startswith('triton') and sys.modules[name] for name in sys.modules)\n"
     )

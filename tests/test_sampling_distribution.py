@@ -18,9 +18,9 @@ from conftest import SMALL_VOCAB_SIZE, build_small_vocab_llama
 from scipy.stats import chisquare, kstest
 
 import hf_specdec
-from hf_specdec import decoding
-from hf_specdec.metadata import SpecDecodeMetadata
-from hf_specdec.rejection_sampler import RandomDraws, draw_random, rejection_sample
+from hf_specdec.loop import decoding
+from hf_specdec.sampling.metadata import SpecDecodeMetadata
+from hf_specdec.sampling.rejection_sampler import RandomDraws, draw_random, rejection_sample
 
 NEW_TOKENS = 3
 PROMPT = [3, 5, 7, 3, 5, 7, 3, 5]  # repeats, so the n-gram drafter proposes "7 3 5 ..."

@@ -22,7 +22,7 @@ from hf_specdec.trainers.objectives import DraftTrainingObjective
 from hf_specdec.trainers.target_states import run_target
 
 import hf_specdec
-from hf_specdec.eagle_heads import EagleHead, load_eagle_head
+from hf_specdec.heads.eagle_heads import EagleHead, load_eagle_head
 
 PROMPT_LEN, MAX_NEW_TOKENS, TTT_STEPS = 10, 24, 3
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.real_models import humaneval_prompts, load_smollm2, mtbench_prompts
+from hf_specdec.models.real_models import humaneval_prompts, load_smollm2, mtbench_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
-from hf_specdec import decoding
+from hf_specdec.loop import decoding
 
 
 class StepRecorder:

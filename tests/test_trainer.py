@@ -25,7 +25,7 @@ from hf_specdec.trainers.data import load_records, to_messages, tokenize_convers
 from safetensors.torch import load_file
 
 import hf_specdec
-from hf_specdec.eagle_heads import EagleHead, load_eagle_head
+from hf_specdec.heads.eagle_heads import EagleHead, load_eagle_head
 
 # role markers are words of the tiny vocabulary: w3 = user, w4 = assistant, w5 = system
 CHAT_TEMPLATE = (

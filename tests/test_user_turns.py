@@ -137,7 +137,7 @@ def test_sharegpt_jsonl_is_written_once_whole(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_data_sharegpt_reads_the_wheels_conversations():
-    from hf_specdec.real_models import sharegpt_conversations
+    from hf_specdec.models.real_models import sharegpt_conversations
 
     records = load_records("sharegpt")
     wheel = sharegpt_conversations()

@@ -46,7 +46,7 @@ def load_records(source: str | os.PathLike, split: str = "train") -> datasets.Da
 
     path = Path(source)
     if str(source) == SHAREGPT and not path.exists():
-        from hf_specdec.real_models import sharegpt_jsonl
+        from hf_specdec.models.real_models import sharegpt_jsonl
 
         path = sharegpt_jsonl()
     if path.exists():

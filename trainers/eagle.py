@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_specdec.eagle_heads import EagleHead, load_eagle_head
-from hf_specdec.hub import head_card_fields, push_head_folder
-from hf_specdec.model_card import write_model_card
+from hf_specdec.heads.eagle_heads import EagleHead, load_eagle_head
+from hf_specdec.heads.hub import head_card_fields, push_head_folder
+from hf_specdec.heads.model_card import write_model_card
 
 from .data import (
     Batch,

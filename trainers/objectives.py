@@ -1,6 +1,6 @@
 """What a head is trained to do: unrolled draft steps over a batch, and their losses.
 
-Notation (as in `hf_specdec.eagle_heads`): pair i is (target feature f[i], token t[i+1]) at
+Notation (as in `hf_specdec.heads.eagle_heads`): pair i is (target feature f[i], token t[i+1]) at
 position i; the head's output for it predicts the next feature, and the token t[i+2].
 
 **Training-time test** (EAGLE-3, arXiv:2503.01840). At inference the head drafts k tokens in a
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from hf_specdec.eagle_heads import EagleHead
+from hf_specdec.heads.eagle_heads import EagleHead
 
 from .lm_head_loss import block_rows, soft_label_cross_entropy
 

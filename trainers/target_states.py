@@ -1,7 +1,7 @@
 """The frozen target's hidden states for a batch: computed online, or read from an offline cache.
 
 Online, the target runs (no grad) in the training process on every batch, through the same
-hooks (`hf_specdec.feature_capture`) that feed the drafter inside generate, so the head trains
+hooks (`hf_specdec.models.feature_capture`) that feed the drafter inside generate, so the head trains
 on exactly the features it will read. Offline, one pass writes them to safetensors shards and
 training reads them back: worth it when the same data is trained on for several epochs or
 several runs (each saves a target forward per token), at 2 * (F + H) bytes per token in bf16.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hf_specdec.feature_capture import TargetFeatureCapture, decoder_parts
+from hf_specdec.models.feature_capture import TargetFeatureCapture, decoder_parts
 
 from .data import Batch, TokenizedData, collate
 from .objectives import TargetBatch

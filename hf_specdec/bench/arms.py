@@ -21,8 +21,8 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from ..config import SpeculativeConfig
-from ..cpu_linear import resolve_backend
-from ..proposers.draft_model import load_draft_model
+from ..drafters.draft_model import load_draft_model
+from ..models.cpu_linear import resolve_backend
 
 
 @dataclass

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..real_models import humaneval_prompts, mtbench_prompts
+from ..models.real_models import humaneval_prompts, mtbench_prompts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

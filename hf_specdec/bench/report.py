@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..auto_k import predicted_speedup
+from ..loop.auto_k import predicted_speedup
 
 COLUMNS = (
     # (header, key, format)

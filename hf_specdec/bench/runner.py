@@ -34,9 +34,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..auto_k import predicted_speedup
-from ..cpu_linear import fast_cpu_linears, linear_plan, resolve_backend
-from ..metrics import SpecDecodeMetrics
+from ..loop.auto_k import predicted_speedup
+from ..loop.metrics import SpecDecodeMetrics
+from ..models.cpu_linear import fast_cpu_linears, linear_plan, resolve_backend
 from .arms import Arm, BenchSettings, build_arms, sweep_arm_names
 
 

@@ -1,6 +1,6 @@
 """Rejection sampling (seed §12.2) in Triton, over a whole step's ragged drafts at once.
 
-Same arguments and results as `hf_specdec.rejection_sampler.rejection_sample_reference`, and the
+Same arguments and results as `hf_specdec.sampling.rejection_sampler.rejection_sample_reference`, and the
 same tokens given the same random draws. Two launches:
 
 1. `_position_tokens_kernel`: for every (row, position), position = 0..num_draft, the token the
@@ -47,8 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_specdec.metadata import SpecDecodeMetadata
-from hf_specdec.rejection_sampler import NOISE_FLOOR, PLACEHOLDER_TOKEN_ID, RandomDraws, target_probabilities
+from hf_specdec.sampling.metadata import SpecDecodeMetadata
+from hf_specdec.sampling.rejection_reference import (
+    NOISE_FLOOR,
+    PLACEHOLDER_TOKEN_ID,
+    RandomDraws,
+    target_probabilities,
+)
 
 MAX_SPEC_LEN = 32  # drafts per row the accept kernel takes in one vector (SpeculativeConfig's k limit)
 GPU_VOCAB_BLOCK = 2048  # vocabulary columns a GPU position-token program reads per loop iteration

@@ -6,8 +6,8 @@ import dataclasses
 
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
+from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
-from ..paged_cache import PagedKVCache
 from .base import DraftProposal, Proposer, ProposeRequest
 from .draft_model import DraftModelProposer, check_draft_compatible, load_draft_model
 from .drafting import DraftSampling

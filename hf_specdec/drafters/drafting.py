@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
+from ..cache.paged_cache import PagedAttentionMetadata, PagedKVCache
 from ..config import SpeculativeConfig
-from ..logits_processing import _POSITION_FREE
-from ..paged_cache import PagedAttentionMetadata, PagedKVCache
+from ..sampling.logits_processing import _POSITION_FREE
 from .base import ProposeRequest
 
 # the exponential race divides by E ~ Exp(1): a draw of 0 must not divide by zero (as the rejection sampler)

@@ -1,28 +1,12 @@
-"""Rejection sampling (seed §12.2), PyTorch reference.
+"""Rejection sampling in PyTorch (seed §12.2): the reference every backend is checked against,
+and what every backend shares: the random draws and the target probabilities.
 
-Per row: accept drafts left to right while they pass, then emit one more token: the bonus token
-when every draft passed, otherwise a recovered token at the first rejected position.
-
-- greedy rows: a draft passes when it equals the argmax of the target's processed logits; the
-  extra token is that argmax (exactly what plain greedy `generate()` picks).
-- sampled rows: a draft x passes with probability min(1, p(x)/q(x)) (test: u * q(x) < p(x));
-  q is one-hot for deterministic drafts. A recovered token is drawn from max(0, p - q)
-  normalised, a bonus token from p. Both draws use the exponential race
-  argmax(w / E), E ~ Exp(1), which samples proportionally to w without normalising.
-
-Random numbers come in as arguments (`RandomDraws`), drawn from one generator per row, so the
-GPU kernels can be checked against this reference on the same draws and seeded runs reproduce.
-
-`rejection_sample` is the one entry point: CUDA tensors go to the Triton kernels
-(`hf_specdec.kernels.rejection`), CPU tensors to `rejection_sample_reference` below; the
-environment variable `HF_SPECDEC_REJECTION_BACKEND` overrides the choice. Both read the target
-probabilities from `target_probabilities`, so given the same draws they emit the same tokens.
+The algorithm is described in `rejection_sampler.py`, which dispatches between this reference
+and the Triton kernels (`hf_specdec.kernels.rejection`, which import their shared parts from here).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +14,6 @@ import torch
 from .metadata import SpecDecodeMetadata
 
 PLACEHOLDER_TOKEN_ID = -1
-BACKEND_ENV_VAR = "HF_SPECDEC_REJECTION_BACKEND"
-BACKENDS = ("auto", "triton", "torch")
 NOISE_FLOOR = 1e-20  # the exponential race divides by E ~ Exp(1): a draw of 0 must not divide by zero
 
 
@@ -73,41 +55,6 @@ def target_probabilities(logits: torch.Tensor, is_greedy: torch.Tensor) -> torch
     if bool(is_greedy.all()):
         return None
     return torch.softmax(logits, dim=-1)
-
-
-def rejection_backend(device: torch.device) -> str:
-    """The implementation `rejection_sample` runs for tensors on `device`: "triton" or "torch".
-
-    `$HF_SPECDEC_REJECTION_BACKEND`, read at every call: "auto" (the default) runs the Triton
-    kernels on CUDA tensors when triton is installed and the reference otherwise; "triton" and
-    "torch" force one. Forcing "triton" for CPU tensors needs TRITON_INTERPRET=1 in the
-    environment before the kernels are first imported (Triton's interpreter; for tests).
-    """
-    choice = os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() or "auto"
-    if choice not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV_VAR}={choice!r} is not a backend; allowed: {', '.join(BACKENDS)}")
-    if choice == "auto":
-        kernels_usable = device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        return "triton" if kernels_usable else "torch"
-    return choice
-
-
-def rejection_sample(
-    metadata: SpecDecodeMetadata,
-    logits: torch.Tensor,
-    is_greedy: torch.Tensor,
-    draws: RandomDraws | None = None,
-    draft_probs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept / reject every row's drafts on the backend `rejection_backend` picks.
-
-    Arguments and results are those of `rejection_sample_reference`.
-    """
-    if rejection_backend(logits.device) == "triton":
-        from hf_specdec.kernels.rejection import rejection_sample_triton  # triton is optional: import on use
-
-        return rejection_sample_triton(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs)
-    return rejection_sample_reference(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs)
 
 
 def rejection_sample_reference(

@@ -34,8 +34,8 @@ from transformers import PreTrainedModel
 if TYPE_CHECKING:
     from transformers.modeling_layers import MtpModel
 
-from ..paged_attention import use_paged_attention
-from ..paged_cache import PagedKVCache
+from ..cache.paged_attention import use_paged_attention
+from ..cache.paged_cache import PagedKVCache
 from .base import DraftProposal, ProposeRequest
 from .drafting import (
     DraftSampling,

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from ..paged_attention import use_paged_attention
-from ..paged_cache import PagedKVCache
+from ..cache.paged_attention import use_paged_attention
+from ..cache.paged_cache import PagedKVCache
 from .base import DraftProposal, ProposeRequest
 from .drafting import (
     DraftSampling,

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .eagle_heads import CONFIG_FILE, WEIGHTS_FILE, EagleHeadConfig
+from .head_config import CONFIG_FILE, WEIGHTS_FILE, EagleHeadConfig
 from .model_card import CARD_FILE, write_model_card
 
 DEFAULT_COMMIT_MESSAGE = "Upload EAGLE head (hf-specdec)"

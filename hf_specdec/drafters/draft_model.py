@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ..paged_attention import use_paged_attention
-from ..paged_cache import PagedKVCache
+from ..cache.paged_attention import use_paged_attention
+from ..cache.paged_cache import PagedKVCache
 from .base import DraftProposal, ProposeRequest
 from .drafting import (
     DraftSampling,
@@ -101,7 +101,7 @@ def check_draft_compatible(draft: PreTrainedModel, target: PreTrainedModel) -> N
     checked = _CHECKED.setdefault(draft, weakref.WeakSet())
     if target in checked:
         return
-    from ..decoding import SUPPORTED_MODEL_TYPES  # the loop imports the proposers: import on use
+    from ..loop.decoding import SUPPORTED_MODEL_TYPES  # the loop imports the proposers: import on use
 
     model_type = getattr(draft.config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES or getattr(draft.config, "is_encoder_decoder", False):

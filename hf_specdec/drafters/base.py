@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..feature_capture import PendingFeatures
+from ..models.feature_capture import PendingFeatures
 
 
 @dataclass

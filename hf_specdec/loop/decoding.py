@@ -25,17 +25,17 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..cache.paged_attention import use_paged_attention
+from ..cache.paged_cache import PagedKVCache
+from ..config import SpeculativeConfig
+from ..drafters import Proposer, ProposeRequest, build_proposer
+from ..models.cpu_linear import fast_cpu_linears, resolve_backend
+from ..models.feature_capture import TargetFeatureCapture, capture_for_proposer
+from ..sampling.logits_processing import StopChecker, check_supported_processors, process_logits
+from ..sampling.metadata import SpecDecodeMetadata
+from ..sampling.rejection_sampler import draw_random, rejection_sample
 from .auto_k import AutoKController
-from .config import SpeculativeConfig
-from .cpu_linear import fast_cpu_linears, resolve_backend
-from .feature_capture import TargetFeatureCapture, capture_for_proposer
-from .logits_processing import StopChecker, check_supported_processors, process_logits
-from .metadata import SpecDecodeMetadata
 from .metrics import SpecDecodeMetrics
-from .paged_attention import use_paged_attention
-from .paged_cache import PagedKVCache
-from .proposers import Proposer, ProposeRequest, build_proposer
-from .rejection_sampler import draw_random, rejection_sample
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3")
 

@@ -28,11 +28,11 @@ import weakref
 import numpy as np
 import torch
 
+from ..cache.paged_attention import use_paged_attention
+from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
-from ..eagle_heads import EagleHead, load_eagle_head
-from ..feature_capture import decoder_parts
-from ..paged_attention import use_paged_attention
-from ..paged_cache import PagedKVCache
+from ..heads.eagle_heads import EagleHead, load_eagle_head
+from ..models.feature_capture import decoder_parts
 from .base import DraftProposal, ProposeRequest
 from .drafting import drafter_pool_blocks, rows_to_feed
 

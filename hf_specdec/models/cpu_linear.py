@@ -44,7 +44,7 @@ import numba
 import numpy as np
 import torch
 
-from .config import CPU_LINEAR_BACKENDS
+from ..config import CPU_LINEAR_BACKENDS
 
 # the numba kernel's limit: up to here it beat oneDNN on SmolLM2's shapes on the EPYC (lm_head at
 # 8 rows: 9.5 vs 13.2 ms; whole forwards of 9 / 12 / 16 tokens: 83 / 103 / 131 ms against 103 / 116 / 120)

@@ -1,0 +1,86 @@
+"""Rejection sampling (seed §12.2), PyTorch reference.
+
+Per row: accept drafts left to right while they pass, then emit one more token: the bonus token
+when every draft passed, otherwise a recovered token at the first rejected position.
+
+- greedy rows: a draft passes when it equals the argmax of the target's processed logits; the
+  extra token is that argmax (exactly what plain greedy `generate()` picks).
+- sampled rows: a draft x passes with probability min(1, p(x)/q(x)) (test: u * q(x) < p(x));
+  q is one-hot for deterministic drafts. A recovered token is drawn from max(0, p - q)
+  normalised, a bonus token from p. Both draws use the exponential race
+  argmax(w / E), E ~ Exp(1), which samples proportionally to w without normalising.
+
+Random numbers come in as arguments (`RandomDraws`), drawn from one generator per row, so the
+GPU kernels can be checked against this reference on the same draws and seeded runs reproduce.
+
+`rejection_sample` is the one entry point: CUDA tensors go to the Triton kernels
+(`hf_specdec.kernels.rejection`), CPU tensors to `rejection_sample_reference` below; the
+environment variable `HF_SPECDEC_REJECTION_BACKEND` overrides the choice. Both read the target
+probabilities from `target_probabilities`, so given the same draws they emit the same tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from .metadata import SpecDecodeMetadata
+from .rejection_reference import (
+    NOISE_FLOOR,
+    PLACEHOLDER_TOKEN_ID,
+    RandomDraws,
+    draw_random,
+    rejection_sample_reference,
+    target_probabilities,
+)
+
+__all__ = [
+    "NOISE_FLOOR",
+    "PLACEHOLDER_TOKEN_ID",
+    "RandomDraws",
+    "draw_random",
+    "rejection_backend",
+    "rejection_sample",
+    "rejection_sample_reference",
+    "target_probabilities",
+]
+
+BACKEND_ENV_VAR = "HF_SPECDEC_REJECTION_BACKEND"
+BACKENDS = ("auto", "triton", "torch")
+
+
+def rejection_backend(device: torch.device) -> str:
+    """The implementation `rejection_sample` runs for tensors on `device`: "triton" or "torch".
+
+    `$HF_SPECDEC_REJECTION_BACKEND`, read at every call: "auto" (the default) runs the Triton
+    kernels on CUDA tensors when triton is installed and the reference otherwise; "triton" and
+    "torch" force one. Forcing "triton" for CPU tensors needs TRITON_INTERPRET=1 in the
+    environment before the kernels are first imported (Triton's interpreter; for tests).
+    """
+    choice = os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV_VAR}={choice!r} is not a backend; allowed: {', '.join(BACKENDS)}")
+    if choice == "auto":
+        kernels_usable = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        return "triton" if kernels_usable else "torch"
+    return choice
+
+
+def rejection_sample(
+    metadata: SpecDecodeMetadata,
+    logits: torch.Tensor,
+    is_greedy: torch.Tensor,
+    draws: RandomDraws | None = None,
+    draft_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept / reject every row's drafts on the backend `rejection_backend` picks.
+
+    Arguments and results are those of `rejection_sample_reference`.
+    """
+    if rejection_backend(logits.device) == "triton":
+        from hf_specdec.kernels.rejection import rejection_sample_triton  # triton is optional: import on use
+
+        return rejection_sample_triton(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs)
+    return rejection_sample_reference(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs)
