@@ -13,7 +13,7 @@ import torch
 from conftest import PAD_TOKEN_ID, build_tiny_llama
 
 import hf_specdec
-from hf_specdec import cpu_linear
+from hf_specdec.models import cpu_linear
 from hf_specdec.models.cpu_linear import (
     SMALL_BATCH_ROWS,
     BackendPlan,

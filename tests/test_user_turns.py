@@ -121,7 +121,7 @@ def test_bad_arguments_name_the_flag(conversations_file, tmp_path, capsys, bad, 
 
 
 def test_sharegpt_jsonl_is_written_once_whole(tmp_path, monkeypatch):
-    from hf_specdec import real_models
+    from hf_specdec.models import real_models
 
     monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(real_models, "sharegpt_conversations", lambda: RECORDS)
