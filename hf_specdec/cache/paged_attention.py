@@ -3,11 +3,20 @@
 The model is called with packed tokens (`[1, num_tokens]`, every row's new tokens one after
 another) and a `paged_metadata` kwarg that transformers forwards to the attention function.
 `PagedLayer.update` has already written the new keys / values into the pool and hands the pool
-to us as `key` / `value`.
+to us as `key` / `value`; the forward's `PagedAttentionMetadata` comes as a `paged_metadata`
+keyword when the model passes its kwargs down, else from the cache write just before.
 
 Portable path (CPU, and CUDA without flash-attn): scatter the packed queries into a padded
 `[rows, max_query_len]` batch, gather each row's keys / values from its blocks, and run
-PyTorch's SDPA with the causal-within-the-draft-span mask the metadata carries.
+PyTorch's SDPA with the causal-within-the-draft-span mask the metadata builds.
+
+transformers builds no mask for an attention function it does not know (`masking_utils`), so
+everything a mask would carry is applied here, and everything else the model hands its attention
+function is honoured or refused: `sliding_window` (per layer), `softcap` (Gemma 2 logit
+soft-capping) and attention sinks (`s_aux`, gpt-oss; `sinks`) take the explicit path below, which
+follows transformers' own eager attention for those models step for step. Keywords that select
+other keys raise `UnsupportedAttentionError` naming them: a silently dropped feature changes the
+output.
 """
 
 from __future__ import annotations
@@ -18,9 +27,19 @@ from collections.abc import Iterator
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from .paged_cache import PagedAttentionMetadata
+from .paged_cache import PagedAttentionMetadata, active_metadata, gather_rows
 
 ATTENTION_NAME = "hf_specdec_paged"
+
+# keywords models hand their attention function that select keys the paged path would not
+# (DeepSeek-V3.2's sparse `indices`, T5-style `position_bias`, MiniMax's `block_indices`): refused
+# at once. Every other keyword is recorded per forward, and the architecture probe refuses the
+# ones that are not plain forward flags (`architectures.py`), so nothing new passes unchecked.
+UNSUPPORTED_KEYWORDS = frozenset({"indices", "position_bias", "block_indices", "attention_chunk_size"})
+
+
+class UnsupportedAttentionError(ValueError):
+    """The model handed its attention function something the paged attention cannot honour."""
 
 
 def paged_attention_forward(
@@ -31,63 +50,111 @@ def paged_attention_forward(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    is_causal: bool | None = None,
     paged_metadata: PagedAttentionMetadata | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query `[1, heads, tokens, dim]`; key / value: the layer's pools `[blocks, block_size, kv_heads, dim]`.
+    """query `[1, heads, tokens, dim]`; key / value: the layer's pools `[blocks, block_size, kv_heads, dim]`
+    (or, for MLA caches, each row's keys / values `[rows, kv_heads, S, dim]`).
 
     Returns `[1, tokens, heads, dim]`, as transformers' attention functions do.
     """
-    if paged_metadata is None:
-        raise RuntimeError(f"attention '{ATTENTION_NAME}' needs `paged_metadata` (it runs only inside hf_specdec)")
-    meta = paged_metadata
+    meta = paged_metadata or active_metadata()
+    if meta is None:
+        raise RuntimeError(f"attention '{ATTENTION_NAME}' needs a PagedKVCache forward (it runs only inside hf_specdec)")
+    _check_features(module, dropout, is_causal, kwargs)
+    meta.count("attention_calls")
+    meta.scratch.setdefault("attention_keywords", set()).update(k for k, v in kwargs.items() if v is not None)
     num_rows, max_query_len = meta.query_valid.shape
-    if meta.kv_gathered:  # MLA: per-row keys / values [rows, heads, S, dim]; values may be narrower
-        num_kv_heads, head_dim = key.shape[1], query.shape[-1]
+    if meta.kv_gathered:
+        keys, values = key, value
     else:
-        num_kv_heads, head_dim = key.shape[-2:]
+        keys, values = gather_rows(key, meta, "keys"), gather_rows(value, meta, "values")
+    head_dim = query.shape[-1]
     if meta.query_index is None:  # one row: the packed layout is already [1, heads, tokens, dim]
         queries = query
     else:
         queries = query[0].transpose(0, 1).index_select(0, meta.query_index)
         queries = queries.view(num_rows, max_query_len, -1, head_dim).transpose(1, 2)
 
-    if meta.kv_gathered:
-        keys, values = key, value
+    mask = meta.attention_mask(*_layer_kind(module, meta, sliding_window))
+    sink_logits = s_aux if s_aux is not None else sinks
+    if softcap is None and sink_logits is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != queries.shape[1]
+        )
     else:
-        keys, values = gather_rows(key, meta, "keys"), gather_rows(value, meta, "values")
-    out = torch.nn.functional.scaled_dot_product_attention(
-        queries,
-        keys,
-        values,
-        attn_mask=meta.attn_mask,
-        scale=scaling,
-        enable_gqa=num_kv_heads != queries.shape[1],
-    )
+        out = _explicit_attention(queries, keys, values, mask, scaling, softcap, sink_logits)
     out = out.transpose(1, 2)  # [rows, max_q, heads, dim]
     if meta.query_index is None:
         return out, None
     return out[meta.query_valid].unsqueeze(0), None
 
 
-def gather_rows(pool: torch.Tensor, meta: PagedAttentionMetadata, name: str) -> torch.Tensor:
-    """Each row's slots of `pool` `[blocks, block_size, heads, dim]` as `[rows, heads, S, dim]`.
+def _layer_kind(module: torch.nn.Module, meta: PagedAttentionMetadata, sliding_window: int | None):
+    """(kind, size) of the layer this call belongs to: its cache layer type (what transformers' mask
+    for it would be), which a `sliding_window` keyword must agree with; the keyword alone when the
+    module does not say its layer."""
+    layer_idx = getattr(module, "layer_idx", None)
+    if meta.layer_kinds is None or layer_idx is None or not 0 <= layer_idx < len(meta.layer_kinds):
+        return ("full", None) if sliding_window is None else ("sliding", int(sliding_window))
+    kind, size = meta.layer_kinds[layer_idx]
+    if sliding_window is not None and (kind, size) != ("sliding", int(sliding_window)):
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__} (layer {layer_idx}) passes sliding_window={sliding_window} to its attention "
+            f"function, but its cache layer type says {kind} attention (size {size}): the two disagree"
+        )
+    return kind, size
 
-    One row with consecutive blocks: a view of the pool, S = its length. Otherwise each row's
-    blocks side by side, S = max blocks x block size, copied into the buffer `name` of the
-    forward's scratch, which every layer reuses (allocating a fresh one per layer costs more
-    than the copy on CPU).
-    """
-    num_heads, dim = pool.shape[-2:]
-    if meta.contiguous_kv is not None:
-        start, length = meta.contiguous_kv
-        return pool.view(-1, num_heads, dim)[start : start + length][None].transpose(1, 2)
-    num_rows, num_blocks = meta.block_table.shape
-    buffer = meta.scratch.get(name)
-    if buffer is None:
-        buffer = meta.scratch[name] = pool.new_empty((num_rows * num_blocks, *pool.shape[1:]))
-    torch.index_select(pool, 0, meta.block_table.view(-1), out=buffer)
-    return buffer.view(num_rows, -1, num_heads, dim).transpose(1, 2)
+
+def _check_features(module: torch.nn.Module, dropout: float, is_causal: bool | None, extra: dict) -> None:
+    unsupported = sorted(name for name in UNSUPPORTED_KEYWORDS if extra.get(name) is not None)
+    if unsupported:
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__} passes {unsupported} to its attention function; the paged attention does not "
+            "implement that, so it cannot speculate on this model exactly"
+        )
+    if is_causal is False:
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__} asks for non-causal (bidirectional) attention; only causal decoding is supported"
+        )
+    if dropout and module.training:
+        raise UnsupportedAttentionError("attention dropout is active (model.train()): call model.eval() first")
+
+
+def _explicit_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    softcap: float | None,
+    sink_logits: torch.Tensor | None,
+) -> torch.Tensor:
+    """Soft-capped and / or sink attention, the way transformers' eager functions for Gemma 2 and
+    gpt-oss compute it (SDPA has neither): scores, cap, mask, softmax (in float32 for the cap, in
+    the scores' dtype with the max subtracted for sinks, as each model does), weights x values."""
+    groups = queries.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(groups, dim=1)
+    values = values.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else queries.shape[-1] ** -0.5
+    scores = torch.matmul(queries, keys.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if sink_logits is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+    else:
+        sinks = sink_logits.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1).to(scores.dtype)
+        combined = torch.cat([scores, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(values.dtype)
+    return torch.matmul(weights, values)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
@@ -98,11 +165,10 @@ def use_paged_attention(model: PreTrainedModel) -> Iterator[None]:
     """Route the model's attention through the paged function for the duration of the block.
 
     The previous implementation comes back afterwards, so plain `generate()` is untouched.
+    Every config in the model that names an attention implementation is switched (the text
+    config of a multimodal model, sub-configs of composite ones).
     """
-    configs = [model.config]
-    text_config = model.config.get_text_config()
-    if text_config is not model.config:
-        configs.append(text_config)
+    configs = _attention_configs(model)
     previous = [config._attn_implementation for config in configs]
     try:
         for config in configs:
@@ -111,3 +177,17 @@ def use_paged_attention(model: PreTrainedModel) -> Iterator[None]:
     finally:
         for config, name in zip(configs, previous):
             config._attn_implementation = name
+
+
+def _attention_configs(model: torch.nn.Module) -> list:
+    """The distinct configs of `model` and its submodules (their attention layers read `config._attn_implementation`)."""
+    seen: dict[int, object] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation") and id(config) not in seen:
+            seen[id(config)] = config
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+    for config in (model.config, text):
+        if config is not None and id(config) not in seen:
+            seen[id(config)] = config
+    return list(seen.values())

@@ -5,24 +5,49 @@ Why not transformers' own `PagedAttentionCache`: it belongs to the continuous-ba
 (sectors, schedulers, request states) and is not a `Cache`, so a model's `forward(cache=...)`
 cannot take it. This is a `Cache` subclass the model's attention layers write into directly.
 
-- Writes: each forward carries a `slot_mapping` (pool slot of every new token); the layer's
-  `update` copies the new keys / values there and hands the whole pool to the attention function.
+- Writes: `prepare_forward` describes the next forward (`PagedAttentionMetadata`: the pool slot of
+  every new token, block tables, lengths); the layer's `update` copies the new keys / values there
+  and hands the whole pool to the attention function, with that metadata (`active_metadata`).
+- Pools are shaped by the first write of each layer (heads and head size come from the key /
+  value states the layer hands over), so layers of one model may differ: per-layer head sizes,
+  keys and values of different widths, MLA latents.
 - Rollback of rejected draft positions only lowers a row's length: nothing is copied or erased,
   the stale slots are simply overwritten by the next forward.
 - Blocks come from one free list shared by every row; a finished row gives its blocks back.
   The pool is `torch.zeros`, whose pages the OS commits only when first written, and blocks are
   handed out lowest id first, so resident memory follows the tokens actually held.
+
+Multi-head latent attention (MLA: DeepSeek-V2 / V3, their MTP layers, and the families built like
+them) caches the compressed latents, not keys and values: each layer calls
+`cache.update(kv_latent [1, 1, T, kv_lora_rank], k_rope [1, 1, T, qk_rope_head_dim])`, then expands
+whatever the cache returns with `kv_b_proj` into per-head keys and values before attention. Such a
+layer cannot be handed the whole pool (the expansion would run over every slot), so a cache built
+with `gathered=True` returns each row's latents already gathered, `[rows, 1, S, dim]`, and marks its
+metadata `kv_gathered`: the attention function then reads keys / values in that layout.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+# The metadata of the forward in progress, published by each cache write for the attention function
+# that follows it: models that do not forward their kwargs to the cache or to attention (GPT-NeoX
+# calls `update(k, v, layer_idx)` bare) still reach the paged path. A ContextVar, so threads and
+# tasks running forwards of their own never see each other's.
+_ACTIVE_METADATA: ContextVar = ContextVar("hf_specdec_paged_metadata", default=None)
+
+
+def active_metadata() -> PagedAttentionMetadata | None:
+    """The metadata of the last cache write in this thread / task (None before any)."""
+    return _ACTIVE_METADATA.get()
 
 
 class CacheExhaustedError(RuntimeError):
@@ -57,6 +82,54 @@ class BlockAllocator:
             heapq.heappush(self._free, block_id)
 
 
+# layer types (transformers' `layer_types`) whose attention the paged path reproduces
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# layer types without any attention or cache (their layers need no pool)
+NO_CACHE_LAYER_TYPES = ("moe", "mlp")
+
+class UnsupportedModelError(ValueError):
+    """hf_specdec cannot speculate on this model exactly; the message names the model type and why."""
+
+
+def layer_attention(config) -> list[tuple[str, int | None]]:
+    """Per decoder layer, its attention kind ("full", "sliding" or "chunked") and the window or
+    chunk size; raises `UnsupportedModelError` for a layer type the paged path does not implement.
+
+    Read through transformers' own `get_layer_types_and_kwargs`, the function that shapes its
+    `DynamicCache`, so a layer is treated here as transformers' cache treats it.
+    """
+    text = config.get_text_config()
+    model_type = getattr(text, "model_type", None)
+    if getattr(text, "kv_sharing_modes", None) is not None and "reuse" in text.kv_sharing_modes:
+        raise UnsupportedModelError(
+            f"model_type={model_type!r}: some layers reuse another layer's KV cache (kv_sharing_modes); "
+            "the paged cache keeps one pool per layer"
+        )
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    kinds = []
+    for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+        if layer_type in NO_CACHE_LAYER_TYPES or layer_type == "dummy":
+            kinds.append(("none", None))
+        elif layer_type == "full_attention":
+            kinds.append(("full", None))
+        elif layer_type == "sliding_attention":
+            kinds.append(("sliding", int(kwargs["sliding_window"])))
+        elif layer_type == "chunked_attention":
+            kinds.append(("chunked", int(kwargs["sliding_window"])))
+        else:
+            reason = (
+                "recurrent / linear-attention state (rolling it back on rejected drafts is not built)"
+                if layer_type in ("linear_attention", "mamba", "conv", "recurrent", "rwkv", "hybrid", "hybrid_sliding")
+                else "an attention kind the paged attention does not implement"
+            )
+            raise UnsupportedModelError(
+                f"model_type={model_type!r}: layer {index} is {layer_type!r}: {reason}; "
+                f"supported layer types: {', '.join(ATTENTION_LAYER_TYPES)}"
+            )
+    return kinds
+
+
+
 @dataclass
 class PagedAttentionMetadata:
     """Where one forward's tokens go and what each of them may attend to.
@@ -69,44 +142,92 @@ class PagedAttentionMetadata:
     seq_lens: torch.Tensor  # [num_rows] tokens held per row once this forward is written
     block_table: torch.Tensor  # [num_rows, max_blocks] block ids, padded with 0
     # The portable (SDPA) path reads the pool through these: queries scattered into a padded
-    # [num_rows, max_query_len] layout, each row's blocks gathered, a causal mask over them.
+    # [num_rows, max_query_len] layout, each row's keys gathered side by side (`gather_rows`).
     query_index: torch.Tensor | None  # [num_rows * max_query_len] index into the packed tokens; None: one row
     query_valid: torch.Tensor  # [num_rows, max_query_len] bool
-    attn_mask: torch.Tensor | None  # [num_rows, 1, max_query_len, max_blocks * block_size] bool, True = attend
+    query_positions: torch.Tensor  # [num_rows, max_query_len] each query's index in its row (its position)
+    key_span: int  # S: keys per row in the gathered layout (key j of a row is its token j)
     # One row whose blocks are consecutive in the pool (the usual case at batch size 1, since
     # blocks are handed out lowest id first): (first slot, length) lets attention read the pool
     # in place instead of gathering.
     contiguous_kv: tuple[int, int] | None = None
-    # MLA caches (paged_mla.py) hand attention each row's keys / values already gathered,
-    # [rows, heads, S, dim], instead of the pool
+    # MLA caches hand attention each row's keys / values already gathered, [rows, heads, S, dim]
     kv_gathered: bool = False
-    # gather buffers, allocated by the first layer and reused by the others
+    # per decoder layer: (kind, size) from `layer_attention`: ("full", None), ("sliding", window), ("chunked", chunk)
+    layer_kinds: list[tuple[str, int | None]] | None = None
+    # gather buffers and masks, built by the first layer that needs them and reused by the others
     scratch: dict = field(default_factory=dict)
+
+    def attention_mask(self, kind: str = "full", size: int | None = None) -> torch.Tensor | None:
+        """`[rows, 1, max_query_len, S]` bool (True = attend), or None when every key may be seen.
+
+        Causal within each row's new tokens (key k visible to query q when k <= q). Layer kinds add
+        transformers' overlays (`masking_utils`): "sliding" with window W keeps q - W < k;
+        "chunked" with chunk C keeps k // C == q // C. Built once per forward and kind, shared by
+        every layer that asks for it.
+        """
+        num_rows, max_query_len = self.query_valid.shape
+        key = ("mask", kind, size)
+        if key in self.scratch:
+            return self.scratch[key]
+        longest = int(self.seq_lens.max())
+        restricted = kind != "full" and size is not None and size < longest
+        if max_query_len == 1 and num_rows == 1 and self.contiguous_kv is not None and not restricted:
+            mask = None  # one query reading exactly its row's keys: nothing to hide
+        else:
+            queries = self.query_positions[:, None, :, None]  # [rows, 1, q, 1]
+            keys = torch.arange(self.key_span, device=queries.device)[None, None, None, :]
+            mask = keys <= queries
+            if restricted and kind == "sliding":
+                mask &= keys > queries - size
+            elif restricted and kind == "chunked":
+                mask &= torch.div(keys, size, rounding_mode="floor") == torch.div(queries, size, rounding_mode="floor")
+            mask &= self.query_valid[:, None, :, None]
+            mask[..., 0] |= ~self.query_valid[:, None, :]  # padded queries attend somewhere: no empty softmax
+        self.scratch[key] = mask
+        return mask
+
+    def count(self, event: str) -> None:
+        """Tally a per-forward event ("cache_writes", "attention_calls"): the architecture probe reads them."""
+        self.scratch[event] = self.scratch.get(event, 0) + 1
 
 
 class PagedLayer(CacheLayerMixin):
-    """One decoder layer's key / value pools, `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+    """One decoder layer's key / value pools, `[num_blocks, block_size, heads, dim]` each,
+    allocated at the layer's first write from the shapes, dtype and device of its states."""
 
     is_sliding = False
 
-    def __init__(self, key_pool: torch.Tensor, value_pool: torch.Tensor):
+    def __init__(self, num_blocks: int, block_size: int, gathered: bool = False):
         super().__init__()
-        self.keys, self.values = key_pool, value_pool
-        self.is_initialized = True
+        self.num_blocks, self.block_size, self.gathered = num_blocks, block_size, gathered
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.is_initialized = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass  # the pools are allocated up front
+        def pool(states: torch.Tensor) -> torch.Tensor:  # states [1, heads, tokens, dim]
+            shape = (self.num_blocks, self.block_size, states.shape[1], states.shape[-1])
+            return torch.zeros(shape, dtype=states.dtype, device=states.device)
 
-    def update(self, key_states, value_states, *args, kwargs=None, **extra):
-        metadata = (kwargs or {}).get("paged_metadata") or extra.get("paged_metadata")
+        self.keys, self.values = pool(key_states), pool(value_states)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, kwargs=None, metadata=None, **extra):
+        metadata = metadata or (kwargs or {}).get("paged_metadata") or extra.get("paged_metadata")
         if metadata is None:
             raise RuntimeError("PagedKVCache needs `paged_metadata` in the forward kwargs (use hf_specdec's generate)")
-        num_heads, head_dim = self.keys.shape[-2:]
-        flat_keys = self.keys.view(-1, num_heads, head_dim)
-        flat_values = self.values.view(-1, num_heads, head_dim)
-        # [1, heads, tokens, dim] -> [tokens, heads, dim]
-        flat_keys.index_copy_(0, metadata.slot_mapping, key_states[0].transpose(0, 1).to(flat_keys.dtype))
-        flat_values.index_copy_(0, metadata.slot_mapping, value_states[0].transpose(0, 1).to(flat_values.dtype))
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        metadata.count("cache_writes")
+        _ACTIVE_METADATA.set(metadata)
+        # keys and values may differ in width (MLA latents): each pool is flattened on its own
+        for pool, new in ((self.keys, key_states), (self.values, value_states)):
+            flat = pool.view(-1, *pool.shape[-2:])
+            # [1, heads, tokens, dim] -> [tokens, heads, dim]
+            flat.index_copy_(0, metadata.slot_mapping, new[0].transpose(0, 1).to(flat.dtype))
+        if self.gathered:
+            return gather_rows(self.keys, metadata, "keys"), gather_rows(self.values, metadata, "values")
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -119,65 +240,90 @@ class PagedLayer(CacheLayerMixin):
         return -1
 
 
+def gather_rows(pool: torch.Tensor, meta: PagedAttentionMetadata, name: str) -> torch.Tensor:
+    """Each row's slots of `pool` `[blocks, block_size, heads, dim]` as `[rows, heads, S, dim]`.
+
+    One row with consecutive blocks: a view of the pool, S = its length. Otherwise each row's
+    blocks side by side, S = max blocks x block size, copied into the buffer `name` of the
+    forward's scratch, which every layer with pools of that shape reuses (allocating a fresh one
+    per layer costs more than the copy on CPU).
+    """
+    num_heads, dim = pool.shape[-2:]
+    if meta.contiguous_kv is not None:
+        start, length = meta.contiguous_kv
+        return pool.view(-1, num_heads, dim)[start : start + length][None].transpose(1, 2)
+    num_rows, num_blocks = meta.block_table.shape
+    shape = (num_rows * num_blocks, *pool.shape[1:])
+    buffer = meta.scratch.get((name, shape, pool.dtype, pool.device))
+    if buffer is None:
+        buffer = meta.scratch[(name, shape, pool.dtype, pool.device)] = pool.new_empty(shape)
+    torch.index_select(pool, 0, meta.block_table.view(-1).to(pool.device), out=buffer)
+    return buffer.view(num_rows, -1, num_heads, dim).transpose(1, 2)
+
+
+def is_mla(config: PretrainedConfig) -> bool:
+    """Whether a config describes multi-head latent attention (its layers cache latents, not K / V)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "kv_lora_rank", None) is not None and getattr(config, "qk_rope_head_dim", None) is not None
+
+
 class PagedKVCache(Cache):
     """A transformers `Cache` of fixed-size blocks with a block table and a length per row.
 
     Rows are addressed by their index in the generate batch. Use `prepare_forward` before each
     model forward (it allocates blocks and returns the attention metadata), `rollback` after
     verification and `free_row` when a row finishes.
+
+    `num_kv_heads` / `head_dim` allocate every layer's pools up front (dtype, device); left None,
+    each layer's pools take their shape from its first write. `gathered`: MLA layers (see the
+    module docstring). `layer_kinds`: each layer's attention kind (`layer_attention`), which the
+    attention function applies; None: every layer attends to the whole context.
     """
 
     def __init__(
         self,
         num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_blocks: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        num_blocks: int = 0,
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        gathered: bool = False,
+        layer_kinds: list[tuple[str, int | None]] | None = None,
     ):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        layers = [
-            PagedLayer(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+        if num_blocks < 1:
+            raise ValueError(f"PagedKVCache needs num_blocks >= 1, got {num_blocks}")
+        layers = [PagedLayer(num_blocks, block_size, gathered) for _ in range(num_layers)]
+        if num_kv_heads is not None and head_dim is not None:
+            states = torch.zeros((1, num_kv_heads, 0, head_dim), dtype=dtype, device=device)
+            for layer in layers:
+                layer.lazy_initialization(states, states)
         super().__init__(layers=layers)
-        self._init_block_tables(num_blocks, block_size, device)
-
-    def _init_block_tables(self, num_blocks: int, block_size: int, device: torch.device | str) -> None:
-        """The bookkeeping of a paged cache, whatever its layers hold (`PagedMLACache` shares it)."""
+        self.gathered = gathered
+        self.layer_kinds = layer_kinds
         self.block_size = block_size
         self.device = torch.device(device)
         self.allocator = BlockAllocator(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
         self.seq_lens: dict[int, int] = {}
+        self.forward_metadata: PagedAttentionMetadata | None = None  # of the last prepare_forward
 
     @classmethod
     def for_model(
         cls, model: torch.nn.Module, num_blocks: int, block_size: int = 16, num_layers: int | None = None
     ) -> PagedKVCache:
-        """A pool for `model`'s attention layers, in its dtype and on its device (MLA models: `PagedMLACache`)."""
+        """A pool for `model`'s attention layers, on its device (MLA models: latents, gathered), with
+        each layer's attention kind; `UnsupportedModelError` for a layer type it cannot hold."""
         config = model.config.get_text_config()
-        if cls is PagedKVCache and getattr(config, "kv_lora_rank", None) is not None:
-            from .paged_mla import PagedMLACache  # MLA (DeepSeek) caches latents: paged_mla.py
-
-            cls = PagedMLACache
         return cls(
             num_layers=num_layers or config.num_hidden_layers,
             num_blocks=num_blocks,
             block_size=block_size,
-            dtype=model.dtype,
             device=model.device,
-            **cls._pool_widths(config),
+            gathered=is_mla(config),
+            layer_kinds=layer_attention(config),
         )
-
-    @staticmethod
-    def _pool_widths(config) -> dict[str, int]:
-        """The constructor's per-token pool widths for a (text) config: KV heads and head dim."""
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        return {"num_kv_heads": num_kv_heads, "head_dim": head_dim}
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -234,39 +380,46 @@ class PagedKVCache(Cache):
         for i, table in enumerate(tables):
             block_table[i, : len(table)] = table
 
-        positions = np.arange(block_table.shape[1] * block_size)  # key positions of the gathered blocks
         query_start_loc = np.concatenate([[0], np.cumsum(new_lens)])
         query_offsets = np.arange(max_query_len)
         query_valid = query_offsets[None, :] < new_lens[:, None]
         query_index = np.where(query_valid, query_start_loc[:-1, None] + query_offsets[None, :], 0)
-        query_positions = context_lens[:, None] + query_offsets[None, :]  # absolute position of each query
+        query_positions = context_lens[:, None] + query_offsets[None, :]
         valid_rows, valid_positions = np.nonzero(query_valid)[0], query_positions[query_valid]
         slot_mapping = block_table[valid_rows, valid_positions // block_size] * block_size + valid_positions % block_size
 
-        attn_mask = positions[None, None, :] <= query_positions[:, :, None]
-        attn_mask[~query_valid] = False
-        attn_mask[..., 0] = True  # padded queries attend somewhere, so softmax never sees an empty row
-
         contiguous_kv = None
+        key_span = block_table.shape[1] * block_size
         if num_rows == 1 and np.all(np.diff(tables[0]) == 1):
             contiguous_kv = (tables[0][0] * block_size, int(seq_lens[0]))
-            attn_mask = None if max_query_len == 1 else attn_mask[:, :, : seq_lens[0]]
+            key_span = int(seq_lens[0])
 
-        def as_tensor(array: np.ndarray | None) -> torch.Tensor | None:
-            return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        def as_tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
-        return PagedAttentionMetadata(
+        self.forward_metadata = PagedAttentionMetadata(
             slot_mapping=as_tensor(slot_mapping),
             query_start_loc=as_tensor(query_start_loc),
             seq_lens=as_tensor(seq_lens),
             block_table=as_tensor(block_table),
             query_index=None if num_rows == 1 else as_tensor(query_index.reshape(-1)),
             query_valid=as_tensor(query_valid),
-            attn_mask=None if attn_mask is None else as_tensor(attn_mask[:, None]),
+            query_positions=as_tensor(query_positions),
+            key_span=key_span,
             contiguous_kv=contiguous_kv,
+            kv_gathered=self.gathered,
+            layer_kinds=self.layer_kinds,
         )
+        return self.forward_metadata
 
     # --- the parts of the Cache API transformers calls ------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Write a layer's new keys / values where the last `prepare_forward` placed them (a
+        `paged_metadata` in the layer's kwargs takes precedence)."""
+        given = (kwargs.get("kwargs") or {}).get("paged_metadata") or kwargs.get("paged_metadata")
+        metadata = given or self.forward_metadata
+        return self.layers[layer_idx].update(key_states, value_states, metadata=metadata)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.seq_lens.values(), default=0)
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from ..cache.architectures import check_architecture
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
 from .base import DraftProposal, ProposeRequest
@@ -101,14 +102,7 @@ def check_draft_compatible(draft: PreTrainedModel, target: PreTrainedModel) -> N
     checked = _CHECKED.setdefault(draft, weakref.WeakSet())
     if target in checked:
         return
-    from ..loop.decoding import SUPPORTED_MODEL_TYPES  # the loop imports the proposers: import on use
-
-    model_type = getattr(draft.config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES or getattr(draft.config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"speculative_config.model: the draft model_type={model_type!r} cannot run on the paged KV cache; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    check_architecture(draft, role="speculative_config.model: the draft")
     problems = []
     draft_vocab, target_vocab = _vocab_size(draft), _vocab_size(target)
     if draft_vocab != target_vocab:

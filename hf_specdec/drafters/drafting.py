@@ -152,7 +152,6 @@ def causal_lm_forward(model: PreTrainedModel, cache: PagedKVCache) -> DraftForwa
             cache=cache,
             use_cache=True,
             logits_to_keep=keep,
-            paged_metadata=metadata,
         ).logits[0]
 
     return forward

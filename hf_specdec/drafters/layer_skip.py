@@ -23,15 +23,13 @@ memory: its extra slots are ones the verify of the same step would reserve anywa
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
+from ..models.feature_capture import first_layers_only
 from .base import DraftProposal, ProposeRequest
 from .drafting import (
     DraftSampling,
@@ -56,22 +54,6 @@ def check_early_exit_layer(model: PreTrainedModel, early_exit_layer: int | None)
             f"allowed: 1 to {num_layers - 1} (the model has {num_layers} layers)"
         )
     return early_exit_layer
-
-
-@contextlib.contextmanager
-def early_exit(model: PreTrainedModel, num_layers: int) -> Iterator[None]:
-    """Run only the first `num_layers` decoder layers (then the final norm and the head).
-
-    Decoder forwards loop over `self.layers[: config.num_hidden_layers]`; transformers'
-    `EarlyExitCandidateGenerator` lowers that count the same way.
-    """
-    config = getattr(model, model.base_model_prefix).config
-    original = config.num_hidden_layers
-    config.num_hidden_layers = num_layers
-    try:
-        yield
-    finally:
-        config.num_hidden_layers = original
 
 
 class LayerSkipProposer:
@@ -101,7 +83,7 @@ class LayerSkipProposer:
             with (
                 torch.no_grad(),
                 use_paged_attention(self.model),
-                early_exit(self.model, self.early_exit_layer),
+                first_layers_only(self.model, self.early_exit_layer),
             ):
                 drafts, probs = autoregressive_drafts(
                     causal_lm_forward(self.model, self.cache),

@@ -15,8 +15,8 @@ recursively, as vLLM does: draft j + 1 comes from that layer at position n - 1 +
 and the layer's own output at the position before, in place of the target's hidden state (the
 output after the layer's post norm, which is what `MtpModel.forward` passes from one layer to
 the next). These speculative entries are rolled back after drafting; the real ones (positions up
-to n - 1) stay. The MTP layers' KV is paged like the target's (a `PagedKVCache`, or the latent
-`PagedMLACache` for DeepSeek's MLA), with its own block pool.
+to n - 1) stay. The MTP layers' KV is paged like the target's (a `PagedKVCache`, holding
+its MLA latents for DeepSeek), with its own block pool.
 
 Batched over rows like the other drafters: one varlen forward for every row's new entries, then
 one token per row per recursive step. No drafts at a row's first step: the target has not run yet.

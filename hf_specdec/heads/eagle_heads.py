@@ -45,6 +45,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from ..models.feature_capture import decoder_parts
 from .head_config import (
     _SAVED_DECODER_KEYS,
     CONFIG_FILE,
@@ -357,12 +358,10 @@ def check_head_fits_target(head: EagleHead, target: nn.Module) -> None:
     text = target.config.get_text_config()
     config = head.head_config
     model_type = getattr(text, "model_type", None)
-    layers = _target_layers(target)
-    if layers is None:
-        raise ValueError(
-            f"target architecture model_type={model_type!r} does not expose decoder layers and a final norm "
-            "(model.model.layers / model.model.norm) to take EAGLE features from"
-        )
+    try:
+        layers, _ = decoder_parts(target)
+    except ValueError as error:
+        raise ValueError(f"target architecture model_type={model_type!r}: {error}; EAGLE reads features there") from error
     if config.target_hidden_size != text.hidden_size:
         raise ValueError(
             f"EAGLE head does not fit the target: hidden size: the head reads target features of size "
@@ -392,14 +391,6 @@ def check_head_fits_target(head: EagleHead, target: nn.Module) -> None:
             raise ValueError(
                 f"EAGLE head does not fit the target: vocabulary: d2t maps draft ids to target ids >= {target_vocab}"
             )
-
-
-def _target_layers(target: nn.Module) -> nn.ModuleList | None:
-    base = getattr(target, "model", None)
-    layers = getattr(base, "layers", None)
-    if layers is None or getattr(base, "norm", None) is None:
-        return None
-    return layers
 
 
 # --- loading ------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..cache.architectures import check_architecture
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
@@ -36,8 +37,6 @@ from ..sampling.metadata import SpecDecodeMetadata
 from ..sampling.rejection_sampler import draw_random, rejection_sample
 from .auto_k import AutoKController
 from .metrics import SpecDecodeMetrics
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3")
 
 
 @dataclass
@@ -218,7 +217,7 @@ def speculative_step(
     segment_ends = np.cumsum(segment_lens)
     # logits of the last pending token and of every draft: num_draft + 1 per row
     keep = np.concatenate([np.arange(end - n - 1, end) for end, n in zip(segment_ends, num_draft)])
-    attention = cache.prepare_forward(rows.tolist(), segment_lens.tolist())
+    cache.prepare_forward(rows.tolist(), segment_lens.tolist())
     metrics.record_kv_usage(cache.num_blocks_used, cache.blocks_needed(state.num_cached[rows] + num_pending))
     logits = model(
         input_ids=torch.cat(segments)[None].to(model.device),
@@ -226,7 +225,6 @@ def speculative_step(
         cache=cache,
         use_cache=True,
         logits_to_keep=torch.from_numpy(keep).to(model.device),
-        paged_metadata=attention,
     ).logits[0].float()
     metrics.verify_seconds += time.perf_counter() - clock
 
@@ -297,11 +295,6 @@ def _offsets_within(lengths: np.ndarray) -> np.ndarray:
 
 
 def _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus) -> None:
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES or model.config.is_encoder_decoder:
-        raise ValueError(
-            f"hf_specdec does not support model_type={model_type!r} yet; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
     if generation_config.num_beams != 1:
         raise ValueError(f"num_beams={generation_config.num_beams} is not supported with speculative decoding; allowed: 1")
     for option in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp"):
@@ -317,6 +310,7 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
     check_supported_processors(logits_processor)
+    check_architecture(model)  # last: it may run a small probe forward, once per model
 
 
 def _initial_state(input_ids, attention_mask, generation_config, stop_checker: StopChecker) -> DecodeState:

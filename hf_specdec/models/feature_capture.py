@@ -15,21 +15,70 @@ match served it) costs the drafter nothing and catches up in one forward later.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
+# names transformers' causal LMs give their final norm (the lm_head input), most common first
+_FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f", "final_norm", "layer_norm")
+
 
 def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
-    """The decoder layers and final norm of a Llama-style causal LM (Llama, Mistral, Qwen2, Qwen3)."""
-    base = getattr(model, "model", None)
-    layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
-    if layers is None or norm is None:
+    """The decoder layers and final norm of a causal LM, whatever its architecture calls them
+    (`model.layers` + `norm` for Llama-style models, `transformer.h` + `ln_f` for GPT-2, `gpt_neox.layers`
+    + `final_layer_norm`, the language model of an image-text-to-text model...).
+
+    The layers are the base model's `ModuleList` with one entry per hidden layer; the norm, its
+    child with one of the usual final-norm names. ValueError naming what is missing otherwise.
+    """
+    base, name = _decoder_and_layers_name(model)
+    norm = next((getattr(base, n) for n in _FINAL_NORM_NAMES if isinstance(getattr(base, n, None), nn.Module)), None)
+    if norm is None:
         raise ValueError(
-            f"cannot capture hidden states of {type(model).__name__}: expected model.model.layers and model.model.norm"
+            f"cannot capture hidden states of {type(model).__name__}: its decoder {type(base).__name__} has no "
+            f"final norm named any of {', '.join(_FINAL_NORM_NAMES)}"
         )
-    return layers, norm
+    return getattr(base, name), norm
+
+
+def _decoder_and_layers_name(model: nn.Module) -> tuple[nn.Module, str]:
+    """The base (decoder) model and the attribute holding its layers."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    config = model.config.get_text_config() if hasattr(model, "config") else None
+    num_layers = getattr(config, "num_hidden_layers", None)
+    candidates = [
+        n for n, child in (base.named_children() if isinstance(base, nn.Module) else [])
+        if isinstance(child, nn.ModuleList) and len(child) == num_layers
+    ]
+    if len(candidates) != 1:
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__}: expected one ModuleList of "
+            f"num_hidden_layers={num_layers} layers in its decoder, found {candidates or 'none'}"
+        )
+    return base, candidates[0]
+
+
+@contextlib.contextmanager
+def first_layers_only(model: nn.Module, num_layers: int) -> Iterator[None]:
+    """Run only the first `num_layers` decoder layers (then the final norm and the head).
+
+    Decoder forwards loop over their layer list, some over `layers[: config.num_hidden_layers]`:
+    both are cut for the duration (transformers' `EarlyExitCandidateGenerator` lowers the count).
+    """
+    base, name = _decoder_and_layers_name(model)
+    layers = getattr(base, name)
+    configs = {id(c): c for c in (model.config.get_text_config(), getattr(base, "config", None)) if c is not None}
+    counts = {key: config.num_hidden_layers for key, config in configs.items()}
+    try:
+        setattr(base, name, layers[:num_layers])
+        for config in configs.values():
+            config.num_hidden_layers = num_layers
+        yield
+    finally:
+        setattr(base, name, layers)
+        for key, config in configs.items():
+            config.num_hidden_layers = counts[key]
 
 
 class PendingFeatures:

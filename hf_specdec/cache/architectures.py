@@ -1,0 +1,159 @@
+"""Which models the paged cache and attention run exactly: decided by what a model does, not its name.
+
+A model is supported when it is a decoder-only causal LM whose attention runs through transformers'
+`AttentionInterface` and whose cache layers are all attention layers (full, sliding-window or
+chunked); everything its attention function is handed is honoured (`paged_attention.py`) or
+refused. `check_architecture` checks the configuration first (cheap, and the reasons users need),
+then runs a probe: two small packed forwards on a scratch `PagedKVCache`, which must
+
+- route every layer's attention through the paged function, each after its own cache write (a
+  model that computes attention itself, or shares one layer's cache with another, fails here);
+- hand the attention function nothing it cannot honour (`UnsupportedAttentionError`);
+- in float32, give the same logits as the model's own forward over the same tokens, so a mask or
+  position rule the paged path does not know shows up as a refusal, not as wrong tokens.
+
+The verdict is kept per model object, so the probe runs once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+from transformers import PreTrainedModel
+from transformers.utils.generic import TransformersKwargs
+
+from .paged_attention import UnsupportedAttentionError, use_paged_attention
+from .paged_cache import PagedKVCache, UnsupportedModelError, layer_attention
+
+_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# how far the probe's logits may stray from the model's own forward (float32): attention
+# implementations differ by ~1e-6; a wrong mask or position differs by orders of magnitude more
+PROBE_TOLERANCE = 1e-3
+
+
+def check_architecture(model: PreTrainedModel, role: str = "target") -> None:
+    """Raise `UnsupportedModelError` (a ValueError) naming the model type and the reason when
+    hf_specdec cannot speculate on `model` exactly; `role` ("target", "draft") goes in the message."""
+    verdict = _VERDICTS.get(model)
+    if verdict is None:
+        verdict = _VERDICTS[model] = _verdict(model)
+    if verdict:
+        raise UnsupportedModelError(f"{role} model: {verdict}")
+
+
+def _verdict(model: PreTrainedModel) -> str:
+    """'' when supported, else why not."""
+    config = model.config
+    text = config.get_text_config()
+    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
+    static = _static_reason(model, config, text)
+    if static:
+        return f"model_type={model_type!r} is not supported: {static}"
+    try:
+        layer_attention(config)
+    except UnsupportedModelError as error:
+        return str(error)
+    try:
+        problem = _probe(model)
+    except UnsupportedAttentionError as error:
+        problem = str(error)
+    except Exception as error:  # anything a forward on the paged cache raises means it does not fit
+        problem = f"its forward does not run on the paged KV cache ({type(error).__name__}: {error})"
+    return f"model_type={model_type!r} is not supported: {problem}" if problem else ""
+
+
+def _static_reason(model: PreTrainedModel, config, text) -> str:
+    if getattr(config, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported (decoder-only causal LMs only)"
+    if getattr(text, "add_cross_attention", False):
+        return "its layers cross-attend to encoder states (add_cross_attention)"
+    if getattr(text, "use_bidirectional_attention", False):
+        return "it uses bidirectional attention (use_bidirectional_attention)"
+    if not model.can_generate():
+        return f"{type(model).__name__} cannot generate (not a causal LM with a generation head)"
+    if not type(model)._supports_default_dynamic_cache():
+        return "it keeps its own cache class instead of transformers' Cache layers"
+    if not getattr(type(model), "_supports_attention_backend", False):
+        return (
+            "its attention does not run through transformers' AttentionInterface "
+            "(the class sets _supports_attention_backend = False)"
+        )
+    if "logits_to_keep" not in _forward_parameters(model):
+        return "its forward takes no logits_to_keep"
+    return ""
+
+
+def _forward_parameters(model: PreTrainedModel) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _passed_through(model: PreTrainedModel) -> set[str]:
+    """Keywords that reach an attention function only because the model hands its forward's
+    kwargs down: the forward's own parameters and transformers' shared `TransformersKwargs`."""
+    names = set(TransformersKwargs.__annotations__) | _forward_parameters(model)
+    base = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if isinstance(base, torch.nn.Module) and base is not model:
+        names |= _forward_parameters(base)
+    return names
+
+
+def _probe(model: PreTrainedModel) -> str:
+    """Two packed forwards on a scratch cache (two rows: 3 + 2 tokens, then 2 + 1), checked
+    against the model's own forward; '' when they agree, else what went wrong."""
+    config = model.config.get_text_config()
+    vocab = int(getattr(config, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, vocab, (5,), generator=generator), torch.randint(0, vocab, (3,), generator=generator)]
+    chunks = [(3, 2), (2, 1)]  # tokens each row feeds in the first and second forward
+    cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4)
+    paged_logits: list[list[torch.Tensor]] = [[], []]
+    keywords: set[str] = set()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            with use_paged_attention(model):
+                for step in range(2):
+                    starts = [sum(c[:step]) for c in chunks]
+                    counts = [c[step] for c in chunks]
+                    meta = cache.prepare_forward([0, 1], counts)
+                    ids = torch.cat([r[s : s + n] for r, s, n in zip(rows, starts, counts)])
+                    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
+                    logits = model(
+                        input_ids=ids[None].to(model.device),
+                        position_ids=positions[None].to(model.device),
+                        cache=cache,
+                        use_cache=True,
+                        logits_to_keep=0,
+                    ).logits[0]
+                    calls, writes = meta.scratch.get("attention_calls", 0), meta.scratch.get("cache_writes", 0)
+                    if calls != writes or calls == 0:
+                        return (
+                            f"{writes} cache writes but {calls} paged attention calls per forward: its attention is "
+                            "not all routed through transformers' AttentionInterface after a cache update"
+                        )
+                    keywords |= meta.scratch.get("attention_keywords", set())
+                    for row, piece in enumerate(logits.split(counts)):
+                        paged_logits[row].append(piece.float().cpu())
+            unknown = sorted(keywords - _passed_through(model) - {"paged_metadata"})
+            if unknown:
+                return (
+                    f"its attention layers pass {unknown} to the attention function, which the paged attention "
+                    "does not implement"
+                )
+            if next(model.parameters()).dtype != torch.float32:
+                return ""  # half precision: the comparison below would measure rounding, not the structure
+            for row, tokens in enumerate(rows):
+                own = model(input_ids=tokens[None].to(model.device), use_cache=False).logits[0].float().cpu()
+                paged = torch.cat(paged_logits[row])
+                error = float((own - paged).abs().max())
+                if error > PROBE_TOLERANCE * (1.0 + float(own.abs().max())):
+                    return (
+                        f"its logits on the paged cache differ from its own forward by {error:.3g} (float32): "
+                        "its attention depends on something the paged attention does not reproduce"
+                    )
+    finally:
+        model.train(was_training)
+    return ""
