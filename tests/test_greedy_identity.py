@@ -251,11 +251,17 @@ def test_disable_restores_original_generate(tiny_llama):
 
 
 def test_custom_generate_and_speculative_config_together_rejected(enabled_llama):
-    with pytest.raises(ValueError, match="custom_generate"):
+    """Another loop as custom_generate cannot run with speculative_config; hf_specdec.generate can
+    (tests/test_enabled_custom_generate.py)."""
+
+    def other_loop(model, input_ids, **kwargs):
+        raise AssertionError("must not run")
+
+    with pytest.raises(ValueError, match="custom_generate.*hf_specdec.generate"):
         enabled_llama.generate(
             **repeated_span_batch(1),
             max_new_tokens=5,
-            custom_generate=hf_specdec.generate,
+            custom_generate=other_loop,
             speculative_config=ngram_config(),
         )
 

@@ -30,8 +30,10 @@ from .drafting import (
     drafter_pool_blocks,
     stack_draft_probs,
 )
+from .on_disk import load_cached
 
-# drafts loaded from a path / Hub id, per target, so repeated generate() calls load them once
+# drafts loaded from a path / Hub id, per target, so repeated generate() calls load them once;
+# read again when the folder's files change (`on_disk.load_cached`)
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # (draft, target) pairs already checked: the tokenizer comparison reads files
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -40,8 +42,9 @@ _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def load_draft_model(spec: PreTrainedModel | str | os.PathLike, target: PreTrainedModel) -> PreTrainedModel:
     """The draft `speculative_config.model` names: a loaded model, a folder or a Hub id.
 
-    A folder or Hub id is loaded once per target, in the target's dtype and on its device; a Hub id
-    comes from the local Hugging Face cache when it is there (no network needed), else the Hub.
+    A folder or Hub id is loaded once per target, in the target's dtype and on its device, and
+    again when the folder's checkpoint files change (a draft retrained into the same folder); a
+    Hub id comes from the local Hugging Face cache when it is there (no network needed), else the Hub.
     """
     if isinstance(spec, PreTrainedModel):
         return spec.eval()
@@ -50,15 +53,16 @@ def load_draft_model(spec: PreTrainedModel | str | os.PathLike, target: PreTrain
             f"speculative_config.model must be a folder, a Hub id or a loaded model for method='draft_model', "
             f"got {type(spec).__name__}"
         )
-    loaded = _LOADED.setdefault(target, {})
     key = os.fspath(spec)
-    if key not in loaded:
+
+    def load() -> PreTrainedModel:
         try:
             model = AutoModelForCausalLM.from_pretrained(key, dtype=target.dtype, local_files_only=True)
         except OSError:
             model = AutoModelForCausalLM.from_pretrained(key, dtype=target.dtype)
-        loaded[key] = model.to(target.device).eval()
-    return loaded[key]
+        return model.to(target.device).eval()
+
+    return load_cached(_LOADED.setdefault(target, {}), key, spec, load)
 
 
 def _special_ids(model: PreTrainedModel, name: str) -> frozenset[int] | None:

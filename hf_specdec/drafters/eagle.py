@@ -35,9 +35,11 @@ from ..heads.eagle_heads import EagleHead, load_eagle_head
 from ..models.feature_capture import decoder_parts
 from .base import DraftProposal, ProposeRequest
 from .drafting import drafter_pool_blocks, rows_to_feed
+from .on_disk import load_cached
 
 _NO_DRAFTS = np.zeros(0, dtype=np.int64)
-# heads loaded from a folder / Hub id, per target, so repeated generate() calls load them once
+# heads loaded from a folder / Hub id, per target, so repeated generate() calls load them once;
+# read again when the folder's files change (`on_disk.load_cached`)
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -71,7 +73,8 @@ class EagleProposer:
         cls, config: SpeculativeConfig, target_model: torch.nn.Module, max_length: int | None = None
     ) -> EagleProposer:
         """`config.model` is a loaded `EagleHead` (moved to the target's device / dtype and bound
-        to it), a folder or a Hub id (loaded once per target, source and method)."""
+        to it), a folder or a Hub id (loaded once per target, source and method, and again when
+        the folder's files change)."""
         source = config.model
         if isinstance(source, EagleHead):
             if source.method != config.method:
@@ -80,11 +83,12 @@ class EagleProposer:
                 )
             head = source.to(device=target_model.device, dtype=target_model.dtype).bind_target(target_model)
         elif isinstance(source, (str, os.PathLike)):
-            loaded = _LOADED.setdefault(target_model, {})
-            key = (config.method, os.fspath(source))
-            if key not in loaded:
-                loaded[key] = load_eagle_head(source, target=target_model, method=config.method)
-            head = loaded[key]
+            head = load_cached(
+                _LOADED.setdefault(target_model, {}),
+                (config.method, os.fspath(source)),
+                source,
+                lambda: load_eagle_head(source, target=target_model, method=config.method),
+            )
         else:
             raise ValueError(
                 f"speculative_config.model must be a folder, a Hub id or an EagleHead for method={config.method!r}, "

@@ -45,8 +45,10 @@ from .drafting import (
     rows_to_feed,
     stack_draft_probs,
 )
+from .on_disk import load_cached
 
-# MTP modules read from a target's checkpoint, per target, so repeated generate() calls load them once
+# MTP modules read from a target's checkpoint, per target, so repeated generate() calls load them once;
+# read again when the checkpoint's files change (`on_disk.load_cached`)
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -64,20 +66,24 @@ def num_mtp_layers_of(target: PreTrainedModel) -> int:
 
 
 def load_mtp_model(spec: MtpModel | None, target: PreTrainedModel) -> MtpModel:
-    """transformers' `MtpModel` for the target: `spec` when it is one, else read from the target's checkpoint."""
+    """transformers' `MtpModel` for the target: `spec` when it is one, else read from the target's
+    checkpoint (`target.config.name_or_path`): once per target, and again when that checkpoint's
+    files change (MTP layers retrained into the same folder)."""
     from transformers.modeling_layers import MtpModel
 
     num_layers = num_mtp_layers_of(target)
     if spec is None:
-        if target not in _LOADED:
+
+        def load() -> MtpModel:
             try:
-                _LOADED[target] = MtpModel.from_pretrained(target, device_map={"": target.device}).eval()
+                return MtpModel.from_pretrained(target, device_map={"": target.device}).eval()
             except Exception as error:
                 raise ValueError(
                     f"speculative_config.method='mtp': could not load the MTP layers from the target's checkpoint "
                     f"({target.config.name_or_path!r}): {error}. Pass a loaded `MtpModel` as speculative_config.model."
                 ) from error
-        return _LOADED[target]
+
+        return load_cached(_LOADED, target, target.config.name_or_path or None, load)
     if not isinstance(spec, MtpModel):
         raise ValueError(
             "speculative_config.model for method='mtp' must be None (read the MTP layers from the target's "

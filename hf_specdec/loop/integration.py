@@ -4,6 +4,11 @@ The patched method hands everything to transformers' own `generate` with our loo
 `custom_generate` callable, so generation-config preparation stays transformers'. Two things
 transformers drops for custom callables are carried across here: the streamer, and the
 tokenizer that `stop_strings` needs (we build the `StopStringCriteria` ourselves).
+
+`custom_generate=hf_specdec.generate` on an enabled model (both README snippets run in one
+notebook) is the same loop: it takes this same path, so the result is the enabled path's,
+streamers and stop strings included. Any other `custom_generate` cannot run with
+`speculative_config` (both would replace the decoding loop) and is refused.
 """
 
 from __future__ import annotations
@@ -28,11 +33,18 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
 
     @functools.wraps(original)
     def generate(*args, speculative_config=None, **kwargs):
-        if speculative_config is None:
+        custom = kwargs.get("custom_generate")
+        ours = custom is speculative_generate
+        if speculative_config is None and not ours:
             return original(*args, **kwargs)
-        if "custom_generate" in kwargs:
-            raise ValueError("custom_generate cannot be combined with speculative_config")
-        kwargs["speculative_streamer"] = kwargs.pop("streamer", None)
+        if custom is not None and not ours:
+            raise ValueError(
+                "custom_generate cannot be combined with speculative_config: the only custom_generate allowed "
+                f"with it is hf_specdec.generate (got {custom!r}); drop custom_generate, "
+                "or drop speculative_config to run your own"
+            )
+        kwargs.pop("custom_generate", None)
+        _move_streamer(kwargs)
         _move_stop_strings_to_criteria(model, kwargs)
         return original(*args, custom_generate=speculative_generate, speculative_config=speculative_config, **kwargs)
 
@@ -47,6 +59,16 @@ def disable(model: PreTrainedModel) -> PreTrainedModel:
     if original is not None:
         del model.generate
     return model
+
+
+def _move_streamer(kwargs: dict) -> None:
+    """`streamer=` becomes `speculative_streamer=` (transformers drops `streamer` for custom callables)."""
+    streamer = kwargs.pop("streamer", None)
+    if streamer is None:
+        return
+    if kwargs.get("speculative_streamer") is not None:
+        raise ValueError("give streamer= or speculative_streamer=, not both (they name the same streamer)")
+    kwargs["speculative_streamer"] = streamer
 
 
 def _move_stop_strings_to_criteria(model: PreTrainedModel, kwargs: dict) -> None:
