@@ -26,7 +26,14 @@ from test_sampling_distribution import (
     exact_distribution,
     speculative_samples,
 )
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+)
 
 import hf_specdec
 from hf_specdec.drafters import DraftModelProposer, DraftSampling, ProposeRequest
@@ -328,12 +335,18 @@ def test_mismatched_tokenizers_rejected(target, drafts, word_tokenizer, tmp_path
 
 
 def test_unsupported_draft_architecture_rejected(target):
-    gpt2 = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=128, n_embd=32, n_layer=1, n_head=2, n_positions=64, pad_token_id=0, eos_token_id=1
-        )
+    """A draft the paged cache cannot run (Mamba: recurrent state in a cache class of its own) is refused
+    naming its model type; a draft of another supported family (GPT-2) passes that check and is refused
+    for what really differs, its vocabulary."""
+    mamba = MambaForCausalLM(
+        MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, state_size=4, pad_token_id=0, eos_token_id=1)
     ).eval()
-    with pytest.raises(ValueError, match="model_type='gpt2'"):
+    with pytest.raises(ValueError, match="draft model: model_type='mamba' is not supported"):
+        target.generate(**repeated_span_batch(1), max_new_tokens=4, speculative_config=draft_config(mamba))
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64, pad_token_id=0, eos_token_id=1)
+    ).eval()
+    with pytest.raises(ValueError, match="vocabulary size 96"):
         target.generate(**repeated_span_batch(1), max_new_tokens=4, speculative_config=draft_config(gpt2))
 
 

@@ -213,3 +213,51 @@ def test_draw_random_gives_each_row_its_own_draws():
     )
     assert torch.equal(alone.exponential[0], draws.exponential[2])
     assert torch.equal(alone.uniform, draws.uniform[3:])
+
+
+def small_vocab_model(arch: str, seed: int = 0):
+    """16-token models of other architectures: Gemma 2 (window 4 < the prompt, soft-capping), Mixtral
+    (4 experts, 2 per token) and gpt-oss (sinks, window 4, experts)."""
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GptOssConfig,
+        GptOssForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
+
+    sizes = dict(
+        vocab_size=SMALL_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=None, bos_token_id=None, initializer_range=0.3,
+    )
+    torch.manual_seed(seed)
+    if arch == "gemma2":
+        config = Gemma2Config(**sizes, sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=8.0,
+                              tie_word_embeddings=False)
+        return Gemma2ForCausalLM(config).eval()
+    if arch == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2)).eval()
+    model = GptOssForCausalLM(GptOssConfig(**sizes, sliding_window=4, num_local_experts=4, num_experts_per_tok=2)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-1.5, 1.5, layer.self_attn.sinks.numel()))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mixtral", "gpt_oss"])
+def test_sampling_matches_exact_distribution_on_other_architectures(arch):
+    """The chi-square test of the Llama above on a sliding-window + soft-capping family, an MoE family
+    and gpt-oss (sinks): 4000 samples of 3 tokens against the enumerated exact distribution. Drafts
+    come from a sibling of the same architecture (another seed): sampled with their q, partly
+    accepted, so acceptance, rejection and recovery all run on these models' caches."""
+    model = hf_specdec.enable(small_vocab_model(arch))
+    sampling = SETTINGS["temperature_topk_topp"]
+    exact = exact_distribution(model, sampling)
+    assert max(exact.values()) < 0.5, "the distribution is nearly deterministic: the test would prove little"
+    config = {"method": "draft_model", "model": small_vocab_model(arch, seed=1), "num_speculative_tokens": 2}
+    samples, metrics = speculative_samples(model, sampling, config, num_samples=4000, seed=4321)
+    accepted = sum(m["num_accepted_tokens"] for m in metrics)
+    assert 0 < accepted < sum(m["num_draft_tokens"] for m in metrics), "drafts all accepted or all rejected"
+    assert chi_square_pvalue(samples, exact) > 1e-3

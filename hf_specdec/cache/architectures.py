@@ -48,23 +48,21 @@ def _verdict(model: PreTrainedModel) -> str:
     config = model.config
     text = config.get_text_config()
     model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
-    static = _static_reason(model, config, text)
-    if static:
-        return f"model_type={model_type!r} is not supported: {static}"
     try:
-        layer_attention(config)
-    except UnsupportedModelError as error:
-        return str(error)
-    try:
-        problem = _probe(model)
-    except UnsupportedAttentionError as error:
+        problem = _static_reason(model, config, text)
+        if not problem:
+            problem = _probe(model)
+    except (UnsupportedModelError, UnsupportedAttentionError) as error:
         problem = str(error)
     except Exception as error:  # anything a forward on the paged cache raises means it does not fit
         problem = f"its forward does not run on the paged KV cache ({type(error).__name__}: {error})"
-    return f"model_type={model_type!r} is not supported: {problem}" if problem else ""
+    if not problem:
+        return ""
+    return problem if problem.startswith("model_type=") else f"model_type={model_type!r} is not supported: {problem}"
 
 
 def _static_reason(model: PreTrainedModel, config, text) -> str:
+    """What the configuration and class say, most telling reason first; '' when nothing rules the model out."""
     if getattr(config, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
         return "encoder-decoder models are not supported (decoder-only causal LMs only)"
     if getattr(text, "add_cross_attention", False):
@@ -75,6 +73,7 @@ def _static_reason(model: PreTrainedModel, config, text) -> str:
         return f"{type(model).__name__} cannot generate (not a causal LM with a generation head)"
     if not type(model)._supports_default_dynamic_cache():
         return "it keeps its own cache class instead of transformers' Cache layers"
+    layer_attention(config)  # recurrent / linear-attention / other layer kinds: raises with the layer named
     if not getattr(type(model), "_supports_attention_backend", False):
         return (
             "its attention does not run through transformers' AttentionInterface "

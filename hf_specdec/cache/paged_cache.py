@@ -102,7 +102,7 @@ def layer_attention(config) -> list[tuple[str, int | None]]:
     model_type = getattr(text, "model_type", None)
     if getattr(text, "kv_sharing_modes", None) is not None and "reuse" in text.kv_sharing_modes:
         raise UnsupportedModelError(
-            f"model_type={model_type!r}: some layers reuse another layer's KV cache (kv_sharing_modes); "
+            f"model_type={model_type!r} is not supported: some layers reuse another layer's KV cache (kv_sharing_modes); "
             "the paged cache keeps one pool per layer"
         )
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
@@ -123,7 +123,7 @@ def layer_attention(config) -> list[tuple[str, int | None]]:
                 else "an attention kind the paged attention does not implement"
             )
             raise UnsupportedModelError(
-                f"model_type={model_type!r}: layer {index} is {layer_type!r}: {reason}; "
+                f"model_type={model_type!r} is not supported: layer {index} is {layer_type!r}: {reason}; "
                 f"supported layer types: {', '.join(ATTENTION_LAYER_TYPES)}"
             )
     return kinds

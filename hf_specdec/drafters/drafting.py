@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
-from ..cache.paged_cache import PagedAttentionMetadata, PagedKVCache
+from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
 from ..sampling.logits_processing import _POSITION_FREE
 from .base import ProposeRequest
@@ -44,8 +44,9 @@ DRAFT_STREAM_TAG = 0x0D5AF7
 # stretch without drafts (auto k = 0, n-gram matches) then holds bounded memory
 MAX_PENDING_POSITIONS = 64
 
-# forward(input_ids [T], position_ids [T], keep [R], metadata) -> logits [R, vocab] of the kept positions
-DraftForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
+# forward(input_ids [T], position_ids [T], keep [R]) -> logits [R, vocab] of the kept positions, on the
+# drafter's cache as its last `prepare_forward` laid it out
+DraftForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -143,9 +144,7 @@ def drafter_pool_blocks(token_ids: Sequence[np.ndarray], max_length: int, k: int
 def causal_lm_forward(model: PreTrainedModel, cache: PagedKVCache) -> DraftForward:
     """The `DraftForward` of a causal LM drafting on `cache`: one packed forward, the kept positions' logits."""
 
-    def forward(
-        input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, metadata: PagedAttentionMetadata
-    ) -> torch.Tensor:
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         return model(
             input_ids=input_ids[None],
             position_ids=positions[None],
@@ -207,14 +206,13 @@ def autoregressive_drafts(
         active_rows = [int(rows[i]) for i in active]
         lengths = np.array([len(x) for x in inputs], dtype=np.int64)
         starts = np.array([cache.seq_lens.get(row, 0) for row in active_rows], dtype=np.int64)
-        metadata = cache.prepare_forward(active_rows, lengths.tolist())
+        cache.prepare_forward(active_rows, lengths.tolist())
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
         keep = np.cumsum(lengths) - 1  # each row's last fed token predicts its next draft
         logits = forward(
             torch.from_numpy(np.concatenate(inputs)).to(device),
             torch.from_numpy(positions).to(device),
             torch.from_numpy(keep).to(device),
-            metadata,
         )
         tokens, q = picker.pick(logits, active_rows)
         active = [active[j] for j in append_picks(active, tokens, q, drafts, probs, max_draft)]
