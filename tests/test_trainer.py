@@ -542,3 +542,47 @@ def test_regenerate_stopped_midway_keeps_every_answered_turn(target_folder, mult
         assert [m["role"] for m in record["messages"]] == ["user", "assistant"]
         assert record["messages"][1]["content"] == "w10 w11" and not record["truncated"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+
+
+@pytest.fixture(scope="module")
+def gpt_neox_folder(tmp_path_factory, word_tokenizer):
+    """A non-Llama target: GPT-NeoX (parallel attention / MLP, partial rotary, LayerNorm, its layers
+    under gpt_neox.layers and its final norm named final_layer_norm), with the word tokenizer."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    folder = tmp_path_factory.mktemp("gpt_neox_target")
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        rotary_pct=0.5, max_position_embeddings=512, pad_token_id=0, eos_token_id=EOS_TOKEN_ID, bos_token_id=2,
+        initializer_range=0.5,
+    )
+    GPTNeoXForCausalLM(config).eval().save_pretrained(folder)
+    word_tokenizer.save_pretrained(folder)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return folder
+
+
+def test_trainer_on_a_non_llama_target(gpt_neox_folder, data_file, tmp_path):
+    """EAGLE-3 trained for a GPT-NeoX target: the loss falls, the head loads and speculates identically."""
+    from transformers import AutoModelForCausalLM
+
+    log = _train(gpt_neox_folder, data_file, tmp_path, "--method", "eagle3", "--num-epochs", "6",
+                 "--draft-vocab-size", "96", "--ttt-steps", "2")
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+    model = hf_specdec.enable(AutoModelForCausalLM.from_pretrained(gpt_neox_folder).eval())
+    head = load_eagle_head(tmp_path, target=model, method="eagle3")
+    assert head.head_config.target_hidden_size == 64
+    rng = random.Random(5)
+    prompts = [[2, 3] + [rng.randrange(10, 60) for _ in range(rng.randint(3, 8))] + [1, 2, 4] for _ in range(3)]
+    inputs = left_padded_batch(prompts)
+    plain = plain_generate(model, **inputs, max_new_tokens=20, do_sample=False)
+    out = model.generate(
+        **inputs, max_new_tokens=20, do_sample=False, return_dict_in_generate=True,
+        speculative_config={"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3},
+    )
+    assert torch.equal(out.sequences, plain)
+    assert out.spec_metrics["num_draft_tokens"] > 0

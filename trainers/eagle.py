@@ -36,6 +36,7 @@ import torch
 from hf_specdec.heads.eagle_heads import EagleHead, load_eagle_head
 from hf_specdec.heads.hub import head_card_fields, push_head_folder
 from hf_specdec.heads.model_card import write_model_card
+from hf_specdec.models.feature_capture import decoder_parts
 
 from .data import (
     Batch,
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> Path:
     train_ids, eval_ids = split_train_eval(len(data), args.eval_fraction, args.eval_seed)
     train_data, eval_data = data.subset(train_ids), data.subset(eval_ids[: args.max_eval_records])
     head = build_head(args, target, train_data)
-    feature_layers = head.feature_layers_for(len(target.model.layers))
+    feature_layers = head.feature_layers_for(len(decoder_parts(target)[0]))
 
     states_for = _target_states(args, accelerator, target, feature_layers, train_data, eval_data, tqdm)
     objective = DraftTrainingObjective(
