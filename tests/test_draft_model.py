@@ -31,8 +31,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
-    MambaConfig,
-    MambaForCausalLM,
+    XGLMConfig,
+    XGLMForCausalLM,
 )
 
 import hf_specdec
@@ -335,14 +335,14 @@ def test_mismatched_tokenizers_rejected(target, drafts, word_tokenizer, tmp_path
 
 
 def test_unsupported_draft_architecture_rejected(target):
-    """A draft the paged cache cannot run (Mamba: recurrent state in a cache class of its own) is refused
-    naming its model type; a draft of another supported family (GPT-2) passes that check and is refused
-    for what really differs, its vocabulary."""
-    mamba = MambaForCausalLM(
-        MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, state_size=4, pad_token_id=0, eos_token_id=1)
+    """A draft the paged cache cannot run (XGLM computes attention outside transformers' AttentionInterface)
+    is refused naming its model type; a draft of another supported family (GPT-2) passes that check and is
+    refused for what really differs, its vocabulary."""
+    xglm = XGLMForCausalLM(
+        XGLMConfig(vocab_size=128, d_model=32, ffn_dim=64, num_layers=1, attention_heads=2, pad_token_id=0, eos_token_id=1)
     ).eval()
-    with pytest.raises(ValueError, match="draft model: model_type='mamba' is not supported"):
-        target.generate(**repeated_span_batch(1), max_new_tokens=4, speculative_config=draft_config(mamba))
+    with pytest.raises(ValueError, match="draft model: model_type='xglm' is not supported"):
+        target.generate(**repeated_span_batch(1), max_new_tokens=4, speculative_config=draft_config(xglm))
     gpt2 = GPT2LMHeadModel(
         GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64, pad_token_id=0, eos_token_id=1)
     ).eval()

@@ -3,7 +3,9 @@
 A model is supported when it is a decoder-only causal LM whose attention runs through transformers'
 `AttentionInterface` and whose cache layers are all attention layers (full, sliding-window or
 chunked); everything its attention function is handed is honoured (`paged_attention.py`) or
-refused. `check_architecture` checks the configuration first (cheap, and the reasons users need),
+refused. (transformers' `_supports_attention_backend` flag is not the test: it marks what vLLM-style
+backends can serve, and is False on models, hybrid ones among them, whose attention does go
+through the interface.) `check_architecture` checks the configuration first (cheap, and the reasons users need),
 then runs a probe: two small packed forwards on a scratch `PagedKVCache`, which must
 
 - route every layer's attention through the paged function, each after its own cache write (a
@@ -20,10 +22,12 @@ from __future__ import annotations
 import inspect
 import weakref
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 from transformers.utils.generic import TransformersKwargs
 
+from .forward import forward_tokens
 from .paged_attention import UnsupportedAttentionError, use_paged_attention
 from .paged_cache import PagedKVCache, UnsupportedModelError, layer_attention
 
@@ -74,13 +78,44 @@ def _static_reason(model: PreTrainedModel, config, text) -> str:
     if not type(model)._supports_default_dynamic_cache():
         return "it keeps its own cache class instead of transformers' Cache layers"
     layer_attention(config)  # recurrent / linear-attention / other layer kinds: raises with the layer named
-    if not getattr(type(model), "_supports_attention_backend", False):
-        return (
-            "its attention does not run through transformers' AttentionInterface "
-            "(the class sets _supports_attention_backend = False)"
-        )
     if "logits_to_keep" not in _forward_parameters(model):
         return "its forward takes no logits_to_keep"
+    return ""
+
+
+def _routing_problem(meta, attention_layers: int, finished: bool) -> str:
+    """'' when the forward's cache writes and paged attention calls add up (so far, when it failed midway)."""
+    calls = 0 if meta is None else meta.scratch.get("attention_calls", 0)
+    writes = 0 if meta is None else meta.scratch.get("cache_writes", 0)
+    if (finished and calls == writes == attention_layers) or (not finished and writes <= calls):
+        return ""
+    return (
+        f"{writes} cache writes and {calls} paged attention calls per forward for its {attention_layers} attention "
+        "layers: its attention is not all routed through transformers' AttentionInterface after a cache update"
+    )
+
+
+def _mask_disagrees_with_cache(layer_kinds: list, layer_masks: dict) -> str:
+    """'' when each layer's mask keeps what its cache layer keeps; else the first layer where not.
+
+    transformers' cache drops keys a sliding (or chunked) layer no longer needs, and the mask the
+    model builds for that layer is expected to hide them too. Where the two disagree (a sliding cache
+    layer under a causal mask), plain generate() attends to everything while prefilling and only to the
+    window while decoding: behaviour no single mask reproduces.
+    """
+    for index, mask in layer_masks.items():
+        if index is None or not 0 <= index < len(layer_kinds):
+            continue
+        kind, size = layer_kinds[index]
+        if kind not in ("sliding", "chunked"):
+            continue
+        far = torch.tensor([[[[2 * size]]]]), torch.tensor([[[[size - 1 if kind == "sliding" else 0]]]])
+        zero = torch.zeros((1, 1, 1, 1), dtype=torch.long)
+        if bool(mask.mask_function(zero, zero, *far)):
+            return (
+                f"layer {index}'s cache keeps a {kind} window of {size} tokens but the mask the model builds for it "
+                "does not: plain generate() then attends differently while prefilling and while decoding"
+            )
     return ""
 
 
@@ -106,9 +141,12 @@ def _probe(model: PreTrainedModel) -> str:
     generator = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, vocab, (5,), generator=generator), torch.randint(0, vocab, (3,), generator=generator)]
     chunks = [(3, 2), (2, 1)]  # tokens each row feeds in the first and second forward
-    cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4)
+    cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4, max_rollback=2)
+    attention_layers = sum(kind in ("full", "sliding", "chunked") for kind, _ in cache.layer_kinds)
     paged_logits: list[list[torch.Tensor]] = [[], []]
     keywords: set[str] = set()
+    own_mask = False  # whether the model built an attention mask of its own (ALiBi, hand-made masks)
+    layer_masks: dict = {}  # layer index -> the ModelMask its attention got
     was_training = model.training
     model.eval()
     try:
@@ -117,25 +155,34 @@ def _probe(model: PreTrainedModel) -> str:
                 for step in range(2):
                     starts = [sum(c[:step]) for c in chunks]
                     counts = [c[step] for c in chunks]
-                    meta = cache.prepare_forward([0, 1], counts)
                     ids = torch.cat([r[s : s + n] for r, s, n in zip(rows, starts, counts)])
                     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
-                    logits = model(
-                        input_ids=ids[None].to(model.device),
-                        position_ids=positions[None].to(model.device),
-                        cache=cache,
-                        use_cache=True,
-                        logits_to_keep=0,
-                    ).logits[0]
-                    calls, writes = meta.scratch.get("attention_calls", 0), meta.scratch.get("cache_writes", 0)
-                    if calls != writes or calls == 0:
-                        return (
-                            f"{writes} cache writes but {calls} paged attention calls per forward: its attention is "
-                            "not all routed through transformers' AttentionInterface after a cache update"
+                    try:
+                        logits = forward_tokens(
+                            model, cache, [0, 1], counts, ids.to(model.device), positions.to(model.device),
+                            np.arange(sum(counts)),
                         )
+                    except UnsupportedAttentionError:
+                        raise
+                    except Exception as error:
+                        # a layer that wrote the cache and then did its own attention trips over the paged
+                        # pools (or the mask object) right there: say that rather than what it tripped on
+                        routing = _routing_problem(cache.forward_metadata, attention_layers, finished=False)
+                        if routing:
+                            return routing
+                        raise error
+                    routing = _routing_problem(cache.forward_metadata, attention_layers, finished=True)
+                    if routing:
+                        return routing
+                    meta = cache.forward_metadata
                     keywords |= meta.scratch.get("attention_keywords", set())
+                    layer_masks.update(meta.scratch.get("layer_masks", {}))
+                    own_mask |= meta.scratch.get("attention_mask_given", False)
                     for row, piece in enumerate(logits.split(counts)):
                         paged_logits[row].append(piece.float().cpu())
+            inconsistent = _mask_disagrees_with_cache(cache.layer_kinds, layer_masks)
+            if inconsistent:
+                return inconsistent
             unknown = sorted(keywords - _passed_through(model) - {"paged_metadata"})
             if unknown:
                 return (
@@ -143,7 +190,14 @@ def _probe(model: PreTrainedModel) -> str:
                     "does not implement"
                 )
             if next(model.parameters()).dtype != torch.float32:
-                return ""  # half precision: the comparison below would measure rounding, not the structure
+                # half precision: the comparison below would measure rounding, not the structure, so a
+                # mask the model builds itself (which the paged attention replaces) cannot be vetted
+                if own_mask:
+                    return (
+                        "it builds an attention mask of its own (ALiBi or a hand-made mask) that the paged "
+                        "attention replaces; that is only checked on float32 weights"
+                    )
+                return ""
             for row, tokens in enumerate(rows):
                 own = model(input_ids=tokens[None].to(model.device), use_cache=False).logits[0].float().cpu()
                 paged = torch.cat(paged_logits[row])

@@ -10,22 +10,27 @@ Portable path (CPU, and CUDA without flash-attn): scatter the packed queries int
 `[rows, max_query_len]` batch, gather each row's keys / values from its blocks, and run
 PyTorch's SDPA with the causal-within-the-draft-span mask the metadata builds.
 
-transformers builds no mask for an attention function it does not know (`masking_utils`), so
-everything a mask would carry is applied here, and everything else the model hands its attention
-function is honoured or refused: `sliding_window` (per layer), `softcap` (Gemma 2 logit
-soft-capping) and attention sinks (`s_aux`, gpt-oss; `sinks`) take the explicit path below, which
-follows transformers' own eager attention for those models step for step. Keywords that select
-other keys raise `UnsupportedAttentionError` naming them: a silently dropped feature changes the
-output.
+Masks: the model builds each layer's mask through transformers' `masking_utils` as it does for
+plain generate() (causal, sliding window, chunks: whatever it chose for the layer); our mask
+interface (`paged_mask`) keeps the index function it composed, and the attention evaluates it at
+every row's own positions. A `sliding_window` keyword is only a hint for flash-attention kernels:
+the mask already carries the window (Moshi passes a window to the config but builds a causal mask,
+and plain generate() follows the mask). Everything else the model hands its attention function is
+honoured or refused: `softcap` (Gemma 2 logit soft-capping) and attention sinks (`s_aux`, gpt-oss;
+`sinks`) take the explicit path below, which follows transformers' own eager attention for those
+models step for step. Keywords that select other keys raise `UnsupportedAttentionError` naming
+them: a silently dropped feature changes the output.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
 from .paged_cache import PagedAttentionMetadata, active_metadata, gather_rows
 
@@ -42,6 +47,23 @@ class UnsupportedAttentionError(ValueError):
     """The model handed its attention function something the paged attention cannot honour."""
 
 
+@dataclass(frozen=True)
+class ModelMask:
+    """What the model's own mask creation (`masking_utils.create_causal_mask`,
+    `create_sliding_window_causal_mask`, chunked, ...) hands the attention function of one layer:
+    the index function it composed, which `PagedAttentionMetadata.attention_mask` evaluates at
+    each row's positions. So every layer gets exactly the mask plain generate() gives it."""
+
+    mask_function: Callable
+
+
+def paged_mask(*args, mask_function: Callable = causal_mask_function, **kwargs) -> ModelMask:
+    """The mask interface of the paged attention (registered with transformers'
+    `AttentionMaskInterface`): keep the model's mask function instead of materialising a mask over
+    its single-batch layout, which is not the packed varlen layout the paged attention runs."""
+    return ModelMask(mask_function)
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -50,7 +72,7 @@ def paged_attention_forward(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None,  # for flash kernels, which take no mask: the model's mask carries it
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
@@ -69,6 +91,10 @@ def paged_attention_forward(
     _check_features(module, dropout, is_causal, kwargs)
     meta.count("attention_calls")
     meta.scratch.setdefault("attention_keywords", set()).update(k for k, v in kwargs.items() if v is not None)
+    if isinstance(attention_mask, ModelMask):
+        meta.scratch.setdefault("layer_masks", {}).setdefault(getattr(module, "layer_idx", None), attention_mask)
+    elif attention_mask is not None:
+        meta.scratch["attention_mask_given"] = True  # a mask the model built itself, not through masking_utils
     num_rows, max_query_len = meta.query_valid.shape
     if meta.kv_gathered:
         keys, values = key, value
@@ -81,7 +107,7 @@ def paged_attention_forward(
         queries = query[0].transpose(0, 1).index_select(0, meta.query_index)
         queries = queries.view(num_rows, max_query_len, -1, head_dim).transpose(1, 2)
 
-    mask = meta.attention_mask(*_layer_kind(module, meta, sliding_window))
+    mask = meta.attention_mask(attention_mask.mask_function if isinstance(attention_mask, ModelMask) else None)
     sink_logits = s_aux if s_aux is not None else sinks
     if softcap is None and sink_logits is None:
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -93,22 +119,6 @@ def paged_attention_forward(
     if meta.query_index is None:
         return out, None
     return out[meta.query_valid].unsqueeze(0), None
-
-
-def _layer_kind(module: torch.nn.Module, meta: PagedAttentionMetadata, sliding_window: int | None):
-    """(kind, size) of the layer this call belongs to: its cache layer type (what transformers' mask
-    for it would be), which a `sliding_window` keyword must agree with; the keyword alone when the
-    module does not say its layer."""
-    layer_idx = getattr(module, "layer_idx", None)
-    if meta.layer_kinds is None or layer_idx is None or not 0 <= layer_idx < len(meta.layer_kinds):
-        return ("full", None) if sliding_window is None else ("sliding", int(sliding_window))
-    kind, size = meta.layer_kinds[layer_idx]
-    if sliding_window is not None and (kind, size) != ("sliding", int(sliding_window)):
-        raise UnsupportedAttentionError(
-            f"{type(module).__name__} (layer {layer_idx}) passes sliding_window={sliding_window} to its attention "
-            f"function, but its cache layer type says {kind} attention (size {size}): the two disagree"
-        )
-    return kind, size
 
 
 def _check_features(module: torch.nn.Module, dropout: float, is_causal: bool | None, extra: dict) -> None:
@@ -158,6 +168,7 @@ def _explicit_attention(
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ metadata `kv_gathered`: the attention function then reads keys / values in that 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from .recurrent import RECURRENT_LAYER_TYPES, RecurrentStates
 
 # The metadata of the forward in progress, published by each cache write for the attention function
 # that follows it: models that do not forward their kwargs to the cache or to attention (GPT-NeoX
@@ -82,8 +84,9 @@ class BlockAllocator:
             heapq.heappush(self._free, block_id)
 
 
-# layer types (transformers' `layer_types`) whose attention the paged path reproduces
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# layer types (transformers' `layer_types`) the paged cache holds: attention the paged path
+# reproduces, and the recurrent / convolution states `recurrent.py` rolls back
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", *RECURRENT_LAYER_TYPES)
 # layer types without any attention or cache (their layers need no pool)
 NO_CACHE_LAYER_TYPES = ("moe", "mlp")
 
@@ -92,8 +95,9 @@ class UnsupportedModelError(ValueError):
 
 
 def layer_attention(config) -> list[tuple[str, int | None]]:
-    """Per decoder layer, its attention kind ("full", "sliding" or "chunked") and the window or
-    chunk size; raises `UnsupportedModelError` for a layer type the paged path does not implement.
+    """Per decoder layer, its kind and size: ("full", None), ("sliding", window), ("chunked", chunk),
+    ("recurrent", None) for a recurrent / convolution state (`recurrent.py`), ("none", None) for a
+    layer without attention; raises `UnsupportedModelError` for a layer type not implemented here.
 
     Read through transformers' own `get_layer_types_and_kwargs`, the function that shapes its
     `DynamicCache`, so a layer is treated here as transformers' cache treats it.
@@ -116,18 +120,30 @@ def layer_attention(config) -> list[tuple[str, int | None]]:
             kinds.append(("sliding", int(kwargs["sliding_window"])))
         elif layer_type == "chunked_attention":
             kinds.append(("chunked", int(kwargs["sliding_window"])))
+        elif layer_type in RECURRENT_LAYER_TYPES:
+            kinds.append(("recurrent", None))
         else:
             reason = (
-                "recurrent / linear-attention state (rolling it back on rejected drafts is not built)"
-                if layer_type in ("linear_attention", "mamba", "conv", "recurrent", "rwkv", "hybrid", "hybrid_sliding")
+                "one cache layer holding both recurrent state and attention keys / values (not built)"
+                if layer_type in ("hybrid", "hybrid_sliding")
                 else "an attention kind the paged attention does not implement"
             )
             raise UnsupportedModelError(
                 f"model_type={model_type!r} is not supported: layer {index} is {layer_type!r}: {reason}; "
-                f"supported layer types: {', '.join(ATTENTION_LAYER_TYPES)}"
+                f"supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)}"
             )
     return kinds
 
+
+def recurrent_states_for(config, max_rollback: int) -> RecurrentStates | None:
+    """The per-row recurrent states of a hybrid model's config; None when it has no recurrent layer."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config())
+    indices = [i for i, layer_type in enumerate(layer_types) if layer_type in RECURRENT_LAYER_TYPES]
+    if not indices:
+        return None
+    return RecurrentStates(
+        {i: layer_types[i] for i in indices}, {i: layer_kwargs[i] for i in indices}, max_rollback=max_rollback
+    )
 
 
 @dataclass
@@ -153,37 +169,35 @@ class PagedAttentionMetadata:
     contiguous_kv: tuple[int, int] | None = None
     # MLA caches hand attention each row's keys / values already gathered, [rows, heads, S, dim]
     kv_gathered: bool = False
-    # per decoder layer: (kind, size) from `layer_attention`: ("full", None), ("sliding", window), ("chunked", chunk)
-    layer_kinds: list[tuple[str, int | None]] | None = None
     # gather buffers and masks, built by the first layer that needs them and reused by the others
     scratch: dict = field(default_factory=dict)
 
-    def attention_mask(self, kind: str = "full", size: int | None = None) -> torch.Tensor | None:
+    def attention_mask(self, mask_function: Callable | None = None) -> torch.Tensor | None:
         """`[rows, 1, max_query_len, S]` bool (True = attend), or None when every key may be seen.
 
-        Causal within each row's new tokens (key k visible to query q when k <= q). Layer kinds add
-        transformers' overlays (`masking_utils`): "sliding" with window W keeps q - W < k;
-        "chunked" with chunk C keeps k // C == q // C. Built once per forward and kind, shared by
-        every layer that asks for it.
+        `mask_function`: the index function transformers' `masking_utils` composed for the layer
+        (causal, and the sliding-window, chunk or other overlays the model asked for), evaluated at
+        each row's own query and key positions; None: causal. Keys past a row's length never count.
+        Built once per forward and function, shared by every layer that uses it.
         """
         num_rows, max_query_len = self.query_valid.shape
-        key = ("mask", kind, size)
+        key = ("mask", mask_function)
         if key in self.scratch:
             return self.scratch[key]
-        longest = int(self.seq_lens.max())
-        restricted = kind != "full" and size is not None and size < longest
-        if max_query_len == 1 and num_rows == 1 and self.contiguous_kv is not None and not restricted:
-            mask = None  # one query reading exactly its row's keys: nothing to hide
-        else:
-            queries = self.query_positions[:, None, :, None]  # [rows, 1, q, 1]
-            keys = torch.arange(self.key_span, device=queries.device)[None, None, None, :]
+        queries = self.query_positions[:, None, :, None]  # [rows, 1, q, 1]
+        keys = torch.arange(self.key_span, device=queries.device)[None, None, None, :]
+        if mask_function is None:
+            if max_query_len == 1 and num_rows == 1 and self.contiguous_kv is not None:
+                self.scratch[key] = None  # one query reading exactly its row's keys: nothing to hide
+                return None
             mask = keys <= queries
-            if restricted and kind == "sliding":
-                mask &= keys > queries - size
-            elif restricted and kind == "chunked":
-                mask &= torch.div(keys, size, rounding_mode="floor") == torch.div(queries, size, rounding_mode="floor")
-            mask &= self.query_valid[:, None, :, None]
-            mask[..., 0] |= ~self.query_valid[:, None, :]  # padded queries attend somewhere: no empty softmax
+        else:
+            rows = torch.zeros((num_rows, 1, 1, 1), dtype=torch.long, device=queries.device)
+            heads = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=queries.device)
+            mask = mask_function(rows, heads, queries, keys).expand(num_rows, 1, max_query_len, self.key_span)
+            mask = mask & (keys < self.seq_lens[:, None, None, None])
+        mask = mask & self.query_valid[:, None, :, None]
+        mask[..., 0] |= ~self.query_valid[:, None, :]  # padded queries attend somewhere: no empty softmax
         self.scratch[key] = mask
         return mask
 
@@ -276,8 +290,10 @@ class PagedKVCache(Cache):
 
     `num_kv_heads` / `head_dim` allocate every layer's pools up front (dtype, device); left None,
     each layer's pools take their shape from its first write. `gathered`: MLA layers (see the
-    module docstring). `layer_kinds`: each layer's attention kind (`layer_attention`), which the
-    attention function applies; None: every layer attends to the whole context.
+    module docstring). `layer_kinds`: what each layer holds (`layer_attention`; the architecture
+    probe counts the attention layers); the masks come from the model itself (`paged_attention.py`). `recurrent`: the
+    per-row states of a hybrid model's recurrent layers (`recurrent.py`); such a cache takes one row
+    per forward (`one_row_per_forward`, `forward.run_rows`).
     """
 
     def __init__(
@@ -291,10 +307,14 @@ class PagedKVCache(Cache):
         device: torch.device | str = "cpu",
         gathered: bool = False,
         layer_kinds: list[tuple[str, int | None]] | None = None,
+        recurrent: RecurrentStates | None = None,
     ):
         if num_blocks < 1:
             raise ValueError(f"PagedKVCache needs num_blocks >= 1, got {num_blocks}")
         layers = [PagedLayer(num_blocks, block_size, gathered) for _ in range(num_layers)]
+        if recurrent is not None:  # placeholders: each row's own layer objects go here before its forward
+            for index in recurrent.layer_types:
+                layers[index] = recurrent.new_layer(index)
         if num_kv_heads is not None and head_dim is not None:
             states = torch.zeros((1, num_kv_heads, 0, head_dim), dtype=dtype, device=device)
             for layer in layers:
@@ -302,6 +322,7 @@ class PagedKVCache(Cache):
         super().__init__(layers=layers)
         self.gathered = gathered
         self.layer_kinds = layer_kinds
+        self.recurrent = recurrent
         self.block_size = block_size
         self.device = torch.device(device)
         self.allocator = BlockAllocator(num_blocks)
@@ -311,10 +332,16 @@ class PagedKVCache(Cache):
 
     @classmethod
     def for_model(
-        cls, model: torch.nn.Module, num_blocks: int, block_size: int = 16, num_layers: int | None = None
+        cls,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int = 16,
+        num_layers: int | None = None,
+        max_rollback: int = 32,
     ) -> PagedKVCache:
         """A pool for `model`'s attention layers, on its device (MLA models: latents, gathered), with
-        each layer's attention kind; `UnsupportedModelError` for a layer type it cannot hold."""
+        each layer's attention kind, and per-row states for its recurrent layers that one rollback may
+        take back by up to `max_rollback` tokens; `UnsupportedModelError` for a layer type it cannot hold."""
         config = model.config.get_text_config()
         return cls(
             num_layers=num_layers or config.num_hidden_layers,
@@ -323,7 +350,13 @@ class PagedKVCache(Cache):
             device=model.device,
             gathered=is_mla(config),
             layer_kinds=layer_attention(config),
+            recurrent=recurrent_states_for(config, max_rollback),
         )
+
+    @property
+    def one_row_per_forward(self) -> bool:
+        """Whether each forward must carry a single row (a hybrid model's recurrent layers: `recurrent.py`)."""
+        return self.recurrent is not None
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -353,6 +386,8 @@ class PagedKVCache(Cache):
         """Keep the first `num_tokens` of the row; later slots are stale and get overwritten."""
         if num_tokens > self.seq_lens.get(row, 0):
             raise ValueError(f"cannot roll row {row} forward to {num_tokens} tokens (holds {self.seq_lens.get(row, 0)})")
+        if self.recurrent is not None:
+            self.recurrent.rollback(row, num_tokens)
         self.seq_lens[row] = num_tokens
         table = self.block_tables.setdefault(row, [])
         keep = self.blocks_for(num_tokens)
@@ -363,10 +398,17 @@ class PagedKVCache(Cache):
     def free_row(self, row: int) -> None:
         self.allocator.free(self.block_tables.pop(row, []))
         self.seq_lens.pop(row, None)
+        if self.recurrent is not None:
+            self.recurrent.free(row)
 
     # --- one forward ---------------------------------------------------------------------------
     def prepare_forward(self, rows: list[int], num_new_tokens: list[int]) -> PagedAttentionMetadata:
         """Reserve room for each row's new tokens and describe the packed forward."""
+        if self.recurrent is not None:
+            if len(rows) != 1:
+                raise RuntimeError("a cache with recurrent layers takes one row per forward (forward.run_rows)")
+            for index, layer in self.recurrent.layers_of(rows[0]).items():
+                self.layers[index] = layer
         block_size = self.block_size
         context_lens = np.array([self.seq_lens.get(row, 0) for row in rows], dtype=np.int64)
         new_lens = np.asarray(num_new_tokens, dtype=np.int64)
@@ -408,7 +450,6 @@ class PagedKVCache(Cache):
             key_span=key_span,
             contiguous_kv=contiguous_kv,
             kv_gathered=self.gathered,
-            layer_kinds=self.layer_kinds,
         )
         return self.forward_metadata
 
@@ -425,3 +466,4 @@ class PagedKVCache(Cache):
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("PagedKVCache rolls back per row: use rollback(row, num_tokens)")
+

@@ -26,7 +26,6 @@ from .drafting import (
     DraftSampling,
     DraftTokenPicker,
     autoregressive_drafts,
-    causal_lm_forward,
     drafter_pool_blocks,
     stack_draft_probs,
 )
@@ -198,7 +197,7 @@ class DraftModelProposer:
         ]
         with torch.no_grad(), use_paged_attention(self.model):
             drafts, probs = autoregressive_drafts(
-                causal_lm_forward(self.model, cache),
+                self.model,
                 cache,
                 request.rows,
                 feeds,

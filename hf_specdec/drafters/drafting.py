@@ -14,19 +14,20 @@
   this call: those drafting, and those whose waiting features reached `MAX_PENDING_POSITIONS`.
 - `autoregressive_drafts`: k draft steps batched over rows into packed varlen forwards over a
   `PagedKVCache`, exactly as the loop drives the target: the first forward feeds each row's
-  tokens the drafter has not cached yet, the next ones one token per row. `causal_lm_forward` is
-  its forward for a causal LM (a draft model, or the target's early exit).
+  tokens the drafter has not cached yet, the next ones one token per row, through the same
+  `forward_tokens` as the target's verify (a draft model, or the target's early exit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
+from ..cache.forward import forward_tokens
 from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
 from ..sampling.logits_processing import _POSITION_FREE
@@ -43,11 +44,6 @@ DRAFT_STREAM_TAG = 0x0D5AF7
 # a row that does not draft still feeds its waiting target features once this many wait: a long
 # stretch without drafts (auto k = 0, n-gram matches) then holds bounded memory
 MAX_PENDING_POSITIONS = 64
-
-# forward(input_ids [T], position_ids [T], keep [R]) -> logits [R, vocab] of the kept positions, on the
-# drafter's cache as its last `prepare_forward` laid it out
-DraftForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 @dataclass
 class DraftSampling:
@@ -141,21 +137,6 @@ def drafter_pool_blocks(token_ids: Sequence[np.ndarray], max_length: int, k: int
     return sum(-(-(len(t) + max_new + k + 1) // block_size) for t in token_ids)
 
 
-def causal_lm_forward(model: PreTrainedModel, cache: PagedKVCache) -> DraftForward:
-    """The `DraftForward` of a causal LM drafting on `cache`: one packed forward, the kept positions' logits."""
-
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        return model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        ).logits[0]
-
-    return forward
-
-
 def append_picks(
     active: Sequence[int],
     tokens: torch.Tensor,
@@ -180,7 +161,7 @@ def append_picks(
 
 
 def autoregressive_drafts(
-    forward: DraftForward,
+    model: PreTrainedModel,
     cache: PagedKVCache,
     rows: Sequence[int],
     feeds: Sequence[np.ndarray],
@@ -206,13 +187,16 @@ def autoregressive_drafts(
         active_rows = [int(rows[i]) for i in active]
         lengths = np.array([len(x) for x in inputs], dtype=np.int64)
         starts = np.array([cache.seq_lens.get(row, 0) for row in active_rows], dtype=np.int64)
-        cache.prepare_forward(active_rows, lengths.tolist())
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
         keep = np.cumsum(lengths) - 1  # each row's last fed token predicts its next draft
-        logits = forward(
+        logits = forward_tokens(
+            model,
+            cache,
+            active_rows,
+            lengths.tolist(),
             torch.from_numpy(np.concatenate(inputs)).to(device),
             torch.from_numpy(positions).to(device),
-            torch.from_numpy(keep).to(device),
+            keep,
         )
         tokens, q = picker.pick(logits, active_rows)
         active = [active[j] for j in append_picks(active, tokens, q, drafts, probs, max_draft)]

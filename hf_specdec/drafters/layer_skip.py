@@ -35,7 +35,6 @@ from .drafting import (
     DraftSampling,
     DraftTokenPicker,
     autoregressive_drafts,
-    causal_lm_forward,
     stack_draft_probs,
 )
 
@@ -86,7 +85,7 @@ class LayerSkipProposer:
                 first_layers_only(self.model, self.early_exit_layer),
             ):
                 drafts, probs = autoregressive_drafts(
-                    causal_lm_forward(self.model, self.cache),
+                    self.model,
                     self.cache,
                     request.rows,
                     feeds,

@@ -26,6 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.architectures import check_architecture
+from ..cache.forward import forward_tokens
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
@@ -115,7 +116,9 @@ def generate(
     num_blocks = config.num_kv_blocks or sum(
         -(-(int(length) + max_new_tokens + 1) // config.block_size) for length in prompt_lens
     )
-    cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=config.block_size)
+    cache = PagedKVCache.for_model(
+        model, num_blocks=num_blocks, block_size=config.block_size, max_rollback=config.max_draft_tokens
+    )
     proposer = build_proposer(config, model, generation_config, logits_processor, target_cache=cache)
 
     metrics = SpecDecodeMetrics()
@@ -217,15 +220,13 @@ def speculative_step(
     segment_ends = np.cumsum(segment_lens)
     # logits of the last pending token and of every draft: num_draft + 1 per row
     keep = np.concatenate([np.arange(end - n - 1, end) for end, n in zip(segment_ends, num_draft)])
-    cache.prepare_forward(rows.tolist(), segment_lens.tolist())
+    if features is not None:
+        features.begin_forward()
+    logits = forward_tokens(
+        model, cache, rows.tolist(), segment_lens.tolist(), torch.cat(segments).to(model.device),
+        torch.from_numpy(positions).to(model.device), keep,
+    ).float()
     metrics.record_kv_usage(cache.num_blocks_used, cache.blocks_needed(state.num_cached[rows] + num_pending))
-    logits = model(
-        input_ids=torch.cat(segments)[None].to(model.device),
-        position_ids=torch.from_numpy(positions)[None].to(model.device),
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=torch.from_numpy(keep).to(model.device),
-    ).logits[0].float()
     metrics.verify_seconds += time.perf_counter() - clock
 
     # 3. sample: processors see, at each position, the prefix plain generate would have had

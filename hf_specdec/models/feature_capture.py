@@ -116,9 +116,10 @@ class PendingFeatures:
 class TargetFeatureCapture:
     """Hooks that record the hidden states at `layers` (transformers `hidden_states` indices).
 
-    Use as a context manager: hooks exist only inside it. `features()` is the last forward's
-    capture, the selected hidden states concatenated on the last dim. Inside generate the loop
-    calls `keep` / `drop` after each verify; `pending` is what the drafter reads.
+    Use as a context manager: hooks exist only inside it. `features()` is the capture of the
+    forward(s) since `begin_forward` (or since entering), the selected hidden states concatenated on
+    the last dim. Inside generate the loop calls `begin_forward` before each verify and `keep` /
+    `drop` after it; `pending` is what the drafter reads.
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[int]):
@@ -130,7 +131,9 @@ class TargetFeatureCapture:
                 raise ValueError(f"hidden_states index {index} is outside [0, {num_layers}] for this model")
         self._modules = {i: (norm if i == num_layers else decoder_layers[i]) for i in set(self.layers)}
         self._num_layers = num_layers
-        self._captured: dict[int, torch.Tensor] = {}  # index -> [batch, tokens, H] of the last forward
+        # index -> [batch, tokens, H] pieces of the forwards since `begin_forward` (one per row when a
+        # hybrid model's cache runs its rows one at a time: together they are the packed layout)
+        self._captured: dict[int, list[torch.Tensor]] = {}
         self.pending = PendingFeatures()
         self._handles: list = []
 
@@ -153,28 +156,36 @@ class TargetFeatureCapture:
     def _input_hook(self, index: int):
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
-            self._captured[index] = hidden.detach()
+            self._captured.setdefault(index, []).append(hidden.detach())
 
         return hook
 
     def _output_hook(self, index: int):
         def hook(module, args, output):
-            self._captured[index] = (output[0] if isinstance(output, tuple) else output).detach()
+            self._captured.setdefault(index, []).append((output[0] if isinstance(output, tuple) else output).detach())
 
         return hook
 
-    # --- the last forward ------------------------------------------------------------------------
+    # --- the forward(s) since begin_forward ------------------------------------------------------
+    def begin_forward(self) -> None:
+        """Forget what earlier forwards captured (a drafter running the target's own layers): the
+        forward(s) that follow are the ones `features` / `keep` read."""
+        self._captured.clear()
+
+    def _hidden(self, index: int) -> torch.Tensor:
+        pieces = self._captured.get(index)
+        if not pieces:
+            raise RuntimeError(f"no forward has run through the hooked modules yet (hidden_states {index})")
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
     def features(self) -> torch.Tensor:
-        """`[batch, tokens, len(layers) * H]`: the last forward's hidden states, in `layers` order."""
-        missing = [i for i in self.layers if i not in self._captured]
-        if missing:
-            raise RuntimeError(f"no forward has run through the hooked modules yet (hidden_states {missing})")
-        return torch.cat([self._captured[i] for i in self.layers], dim=-1)
+        """`[batch, tokens, len(layers) * H]`: the hidden states captured since `begin_forward`, in `layers` order."""
+        return torch.cat([self._hidden(i) for i in self.layers], dim=-1)
 
     # --- per row, between verify and the next draft ----------------------------------------------
     def keep(self, row: int, start: int, count: int) -> None:
-        """Row `row`'s tokens at packed positions [start, start + count) of the last forward were accepted."""
-        self.pending.add(row, torch.cat([self._captured[i][0, start : start + count] for i in self.layers], dim=-1))
+        """Row `row`'s tokens at packed positions [start, start + count) of the verify were accepted."""
+        self.pending.add(row, torch.cat([self._hidden(i)[0, start : start + count] for i in self.layers], dim=-1))
 
     def drop(self, row: int) -> None:
         self.pending.drop(row)

@@ -1,0 +1,63 @@
+"""Model forwards over the paged cache: every row's new tokens packed into one forward, or one
+forward per row when the cache holds a hybrid model's recurrent state (`recurrent.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from .paged_cache import PagedKVCache
+
+
+def run_rows(
+    cache: PagedKVCache,
+    rows: list[int],
+    counts: list[int],
+    keep: np.ndarray,
+    forward: Callable[[slice, np.ndarray], torch.Tensor],
+) -> torch.Tensor:
+    """One forward over every row's new tokens, packed, or one per row when the cache holds recurrent
+    state (`one_row_per_forward`); the outputs at `keep` in order.
+
+    `counts[i]` new tokens of `rows[i]`, packed row after row; `keep`: sorted indices into those
+    packed tokens. `forward(tokens, keep)` runs the model on the packed tokens `tokens` (a slice,
+    after this function's `prepare_forward` for them) and returns its outputs at `keep`, indices
+    into that slice.
+    """
+    if not cache.one_row_per_forward:
+        cache.prepare_forward(rows, counts)
+        return forward(slice(0, int(sum(counts))), keep)
+    outputs, start = [], 0
+    for row, count in zip(rows, counts):
+        cache.prepare_forward([row], [int(count)])
+        mine = keep[(keep >= start) & (keep < start + count)] - start
+        outputs.append(forward(slice(start, start + int(count)), mine))  # run even when nothing is kept: it feeds the state
+        start += int(count)
+    return torch.cat(outputs)
+
+
+def forward_tokens(
+    model: PreTrainedModel,
+    cache: PagedKVCache,
+    rows: list[int],
+    counts: list[int],
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    keep: np.ndarray,
+) -> torch.Tensor:
+    """The model's logits `[len(keep), vocab]` at packed positions `keep` after feeding `counts[i]`
+    new tokens of each row (`input_ids` / `position_ids`: `[sum(counts)]`, on the model's device)."""
+
+    def forward(tokens: slice, kept: np.ndarray) -> torch.Tensor:
+        return model(
+            input_ids=input_ids[None, tokens],
+            position_ids=position_ids[None, tokens],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=torch.from_numpy(kept).to(input_ids.device),
+        ).logits[0]
+
+    return run_rows(cache, rows, counts, keep, forward)
