@@ -108,6 +108,17 @@ def ngram_config(k: int = 5, lookup_min: int = 1, lookup_max: int = 4, **extra) 
     }
 
 
+# model type -> why it is refused, filled by test_family_matrix.py and printed after the run
+REFUSED_FAMILIES: dict[str, str] = {}
+
+
+def pytest_terminal_summary(terminalreporter):
+    if REFUSED_FAMILIES:
+        terminalreporter.section(f"model families refused ({len(REFUSED_FAMILIES)})")
+        for model_type, reason in sorted(REFUSED_FAMILIES.items()):
+            terminalreporter.write_line(f"{model_type}: {reason}")
+
+
 def plain_generate(model, **kwargs):
     """transformers' own generate, whether or not hf_specdec.enable() patched the model."""
     original = getattr(model.generate, "_hf_specdec_original", None)

@@ -29,7 +29,7 @@ from transformers.utils.generic import TransformersKwargs
 
 from .forward import forward_tokens
 from .paged_attention import UnsupportedAttentionError, use_paged_attention
-from .paged_cache import PagedKVCache, UnsupportedModelError, layer_attention
+from .paged_cache import PagedKVCache, UnsupportedMaskError, UnsupportedModelError, layer_attention
 
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # how far the probe's logits may stray from the model's own forward (float32): attention
@@ -56,7 +56,7 @@ def _verdict(model: PreTrainedModel) -> str:
         problem = _static_reason(model, config, text)
         if not problem:
             problem = _probe(model)
-    except (UnsupportedModelError, UnsupportedAttentionError) as error:
+    except (UnsupportedModelError, UnsupportedAttentionError, UnsupportedMaskError) as error:
         problem = str(error)
     except Exception as error:  # anything a forward on the paged cache raises means it does not fit
         problem = f"its forward does not run on the paged KV cache ({type(error).__name__}: {error})"
@@ -71,7 +71,7 @@ def _static_reason(model: PreTrainedModel, config, text) -> str:
         return "encoder-decoder models are not supported (decoder-only causal LMs only)"
     if getattr(text, "add_cross_attention", False):
         return "its layers cross-attend to encoder states (add_cross_attention)"
-    if getattr(text, "use_bidirectional_attention", False):
+    if getattr(text, "use_bidirectional_attention", None) in (True, "all"):  # "vision": among image tokens only
         return "it uses bidirectional attention (use_bidirectional_attention)"
     if not model.can_generate():
         return f"{type(model).__name__} cannot generate (not a causal LM with a generation head)"
@@ -87,8 +87,20 @@ def _routing_problem(meta, attention_layers: int, finished: bool) -> str:
     """'' when the forward's cache writes and paged attention calls add up (so far, when it failed midway)."""
     calls = 0 if meta is None else meta.scratch.get("attention_calls", 0)
     writes = 0 if meta is None else meta.scratch.get("cache_writes", 0)
-    if (finished and calls == writes == attention_layers) or (not finished and writes <= calls):
+    # differential attention (DiffLlama) attends twice to each layer's one write: any multiple is fine
+    calls_per_write = calls // writes if writes and calls % writes == 0 else 0
+    if not finished:
+        return "" if writes <= calls else _not_routed(writes, calls, attention_layers)
+    if attention_layers == 0:  # a purely recurrent model (Mamba): no attention to route
+        return "" if writes == calls == 0 else _not_routed(writes, calls, attention_layers)
+    if writes == attention_layers and calls_per_write >= 1:
         return ""
+    if writes == 0:
+        return "its attention layers never write a KV cache (the model keeps none)"
+    return _not_routed(writes, calls, attention_layers)
+
+
+def _not_routed(writes: int, calls: int, attention_layers: int) -> str:
     return (
         f"{writes} cache writes and {calls} paged attention calls per forward for its {attention_layers} attention "
         "layers: its attention is not all routed through transformers' AttentionInterface after a cache update"
@@ -162,8 +174,15 @@ def _probe(model: PreTrainedModel) -> str:
                             model, cache, [0, 1], counts, ids.to(model.device), positions.to(model.device),
                             np.arange(sum(counts)),
                         )
-                    except UnsupportedAttentionError:
+                    except (UnsupportedAttentionError, UnsupportedMaskError):
                         raise
+                    except (AttributeError, TypeError) as error:
+                        if "ModelMask" not in str(error):
+                            raise
+                        return (
+                            "it reads the attention mask itself (ALiBi or a mask of its own making) instead of leaving "
+                            "it to its attention function, which the paged attention replaces"
+                        )
                     except Exception as error:
                         # a layer that wrote the cache and then did its own attention trips over the paged
                         # pools (or the mask object) right there: say that rather than what it tripped on

@@ -52,6 +52,10 @@ def active_metadata() -> PagedAttentionMetadata | None:
     return _ACTIVE_METADATA.get()
 
 
+class UnsupportedMaskError(ValueError):
+    """The model's mask function cannot be evaluated at packed rows' positions."""
+
+
 class CacheExhaustedError(RuntimeError):
     """The KV block pool has no free block left for a row that needs one."""
 
@@ -194,7 +198,13 @@ class PagedAttentionMetadata:
         else:
             rows = torch.zeros((num_rows, 1, 1, 1), dtype=torch.long, device=queries.device)
             heads = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=queries.device)
-            mask = mask_function(rows, heads, queries, keys).expand(num_rows, 1, max_query_len, self.key_span)
+            try:
+                mask = mask_function(rows, heads, queries, keys).expand(num_rows, 1, max_query_len, self.key_span)
+            except IndexError as error:  # it indexes per-batch tensors (padding, token types) by position
+                raise UnsupportedMaskError(
+                    "the mask the model builds reads inputs laid out by batch row and position (padding, token "
+                    f"types) that the packed varlen layout does not have ({error})"
+                ) from error
             mask = mask & (keys < self.seq_lens[:, None, None, None])
         mask = mask & self.query_valid[:, None, :, None]
         mask[..., 0] |= ~self.query_valid[:, None, :]  # padded queries attend somewhere: no empty softmax

