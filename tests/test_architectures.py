@@ -7,6 +7,7 @@ ValueError naming its model type and the reason.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import EOS_TOKEN_ID, PAD_TOKEN_ID, left_padded_batch, plain_generate, repeated_span_prompts
@@ -158,14 +159,13 @@ def test_gpt_oss_sinks_and_experts_match_plain():
 
 
 def test_attention_outside_the_interface_is_refused():
-    """XGLM writes its cache through transformers' Cache but computes attention itself: the probe counts
-    the cache writes and the paged attention calls and refuses it."""
-    from transformers import XGLMConfig, XGLMForCausalLM
+    """BLOOM writes its cache through transformers' Cache but computes attention (with ALiBi) itself: the
+    probe counts the cache writes and the paged attention calls and refuses it."""
+    from transformers import BloomConfig, BloomForCausalLM
 
     torch.manual_seed(0)
-    config = XGLMConfig(vocab_size=128, d_model=64, ffn_dim=128, num_layers=2, attention_heads=4, max_position_embeddings=64)
-    model = XGLMForCausalLM(config).eval()
-    with pytest.raises(UnsupportedModelError, match=r"model_type='xglm'.*not all routed through transformers' AttentionInterface"):
+    model = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4)).eval()
+    with pytest.raises(UnsupportedModelError, match=r"model_type='bloom'.*not all routed through transformers' AttentionInterface"):
         check_architecture(model)
 
 
@@ -215,3 +215,159 @@ def test_refusal_comes_before_any_work(monkeypatch):
     with pytest.raises(ValueError, match=r"model_type='qwen2' is not supported: layer 1 is 'indexed_attention'"):
         speculate(model, inputs, 5)
     assert not built
+
+
+# --- every drafter on non-Llama families -------------------------------------------------------------
+
+# sliding window + soft-cap, parallel attention / MLP with partial rotary, MoE with QK norms, learned positions
+DRAFTER_FAMILIES = ("gemma2", "gpt_neox", "qwen3_moe", "gpt2")
+
+
+def smaller_sibling(model_type: str):
+    """A one-layer model of the same family and vocabulary (another seed): a draft model for it."""
+    import families
+
+    config = families.tiny_config(model_type)
+    text = config.get_text_config()
+    text.num_hidden_layers = 1
+    for name in ("layer_types", "mlp_layer_types"):
+        if getattr(text, name, None) is not None:
+            setattr(text, name, list(getattr(text, name))[:1])
+    torch.manual_seed(1)
+    return type(families.build_tiny_model(model_type))(config).eval()
+
+
+def family_inputs():
+    return left_padded_batch(long_prompts(3))
+
+
+@pytest.mark.parametrize("model_type", DRAFTER_FAMILIES)
+def test_model_drafters_on_other_families(model_type):
+    """draft_model (a smaller sibling), layer_skip and EAGLE-3 (an untrained head bound to the target):
+    identical to plain generate(), every drafter proposing drafts."""
+    import families
+
+    model = families.build_tiny_model(model_type)
+    inputs = family_inputs()
+    plain = plain_generate(model, **inputs, max_new_tokens=24, do_sample=False)
+    configs = {
+        "draft_model": {"method": "draft_model", "model": smaller_sibling(model_type)},
+        "layer_skip": {"method": "layer_skip", "early_exit_layer": 1},
+        "eagle3": {"method": "eagle3", "model": hf_specdec.EagleHead.for_target(model, "eagle3", seed=0)},
+    }
+    for name, config in configs.items():
+        out = speculate(model, inputs, 24, num_speculative_tokens=3, **config)
+        assert torch.equal(out.sequences, plain), f"{name} on {model_type} differs from plain generate()"
+        assert out.spec_metrics["num_draft_tokens"] > 0, f"{name} on {model_type} never drafted"
+
+
+def mtp_families() -> list[str]:
+    """Causal-LM families whose config declares multi-token-prediction layers (num_mtp_layers)."""
+    import dataclasses
+
+    import families
+
+    found = []
+    for model_type in families.causal_lm_families():
+        cls = families.config_class(model_type)
+        names = set(getattr(cls, "attribute_map", {})) | {f.name for f in dataclasses.fields(cls)}
+        if "num_mtp_layers" in names and model_type not in families.FAMILY_NOTES:
+            found.append(model_type)
+    return found
+
+
+@pytest.mark.parametrize("model_type", mtp_families())
+def test_mtp_on_every_family_with_mtp_layers(model_type):
+    """transformers' MtpModel built for the target (random MTP layer), batched, k=3 beyond the one layer."""
+    import families
+    from transformers.modeling_layers import MtpModel
+
+    model = families.build_tiny_model(model_type)
+    try:
+        check_architecture(model)
+    except UnsupportedModelError:  # a hybrid family: refused for its target layers, MTP or not
+        with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported"):
+            speculate(model, family_inputs(), 8, method="mtp")
+        return
+    text = model.config.get_text_config()
+    text.num_mtp_layers = 1
+    for name, main in (("mtp_layer_types", "layer_types"), ("mtp_mlp_layer_types", "mlp_layer_types")):
+        if getattr(text, main, None) is not None and getattr(text, name, None) is None:
+            setattr(text, name, [getattr(text, main)[-1]])
+    try:
+        mtp = MtpModel(model, 1).eval()
+    except Exception as error:  # a family whose MTP layers transformers cannot build refuses at our door too
+        with pytest.raises(ValueError):
+            speculate(model, family_inputs(), 8, method="mtp")
+        pytest.fail(f"transformers cannot build MTP layers for {model_type}: {error}")
+    with torch.no_grad():
+        for name, parameter in mtp.layers.named_parameters():
+            parameter.fill_(1.0) if "norm" in name else parameter.normal_(0.0, 0.05)
+    inputs = family_inputs()
+    plain = plain_generate(model, **inputs, max_new_tokens=20, do_sample=False)
+    out = speculate(model, inputs, 20, method="mtp", model=mtp, num_speculative_tokens=3)
+    assert torch.equal(out.sequences, plain)
+    assert out.spec_metrics["num_draft_tokens"] > 0
+
+
+# --- hybrid models: recurrent / convolution state rolled back per row --------------------------------
+
+HYBRID_FAMILIES = ("qwen3_next", "mamba2", "lfm2", "jamba")
+
+
+@pytest.mark.parametrize("model_type", HYBRID_FAMILIES)
+def test_hybrid_models_roll_their_state_back_exactly(model_type):
+    """Gated delta-net (Qwen3-Next), Mamba-2, short convolutions (LFM2), Mamba + attention + MoE (Jamba):
+    batch 3, drafts partly rejected at every depth (a perturbed-copy draft model, k=5), identical."""
+    import families
+    from test_family_matrix import perturbed_copy
+
+    model = families.build_tiny_model(model_type)
+    inputs = family_inputs()
+    plain = plain_generate(model, **inputs, max_new_tokens=40, do_sample=False)
+    out = speculate(model, inputs, 40, method="draft_model", model=perturbed_copy(model, scale=0.05), num_speculative_tokens=5)
+    assert torch.equal(out.sequences, plain)
+    per_position = out.spec_metrics["num_accepted_tokens_per_pos"]
+    drafted = out.spec_metrics["num_draft_tokens"]
+    assert 0 < out.spec_metrics["num_accepted_tokens"] < drafted, "no partial rollback happened"
+    assert len(per_position) >= 2
+
+
+def test_recurrent_rollback_equals_never_having_fed_the_tokens():
+    """Feed 9 tokens, roll back to 6: the row's conv and recurrent states equal those after feeding 6."""
+    import families
+
+    from hf_specdec.cache.forward import forward_tokens
+    from hf_specdec.cache.paged_attention import use_paged_attention
+    from hf_specdec.cache.paged_cache import PagedKVCache
+
+    model = families.build_tiny_model("qwen3_next")
+    tokens = torch.arange(10, 19)
+
+    def states_after(fed: int, rollback_to: int | None = None):
+        cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4, max_rollback=4)
+        with torch.no_grad(), use_paged_attention(model):
+            forward_tokens(model, cache, [0], [fed], tokens[:fed], torch.arange(fed), np.arange(1))
+        if rollback_to is not None:
+            cache.rollback(0, rollback_to)
+        layers = cache.recurrent.layers_of(0)
+        return {i: (layer.conv_states[0].clone(), layer.recurrent_states[0].clone()) for i, layer in layers.items()}
+
+    rolled, fresh = states_after(9, rollback_to=6), states_after(6, rollback_to=6)  # a rollback also trims the window
+    assert rolled.keys() == fresh.keys() and rolled
+    for index in rolled:
+        torch.testing.assert_close(rolled[index][0], fresh[index][0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(rolled[index][1], fresh[index][1], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="the states of the last 4 are kept"):
+        cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4, max_rollback=4)
+        with torch.no_grad(), use_paged_attention(model):
+            forward_tokens(model, cache, [0], [9], tokens, torch.arange(9), np.arange(1))
+        cache.rollback(0, 3)  # 6 tokens back: more than were recorded
+
+
+def test_layer_skip_on_a_hybrid_model_is_refused():
+    import families
+
+    model = families.build_tiny_model("qwen3_next")
+    with pytest.raises(ValueError, match="layer_skip' is not supported for model_type='qwen3_next'"):
+        speculate(model, family_inputs(), 8, method="layer_skip", early_exit_layer=1)

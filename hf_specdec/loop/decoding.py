@@ -295,6 +295,12 @@ def _offsets_within(lengths: np.ndarray) -> np.ndarray:
     return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
 
+# what transformers' generate() hands a custom_generate callable besides the user's inputs
+_MODEL_KWARGS_WE_HANDLE = frozenset(
+    {"attention_mask", "position_ids", "logits_to_keep", "cache", "past_key_values", "use_cache", "cache_position"}
+)
+
+
 def _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus) -> None:
     if generation_config.num_beams != 1:
         raise ValueError(f"num_beams={generation_config.num_beams} is not supported with speculative decoding; allowed: 1")
@@ -303,6 +309,12 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
             raise ValueError(f"{option} is transformers' own assisted generation; do not combine it with speculative_config")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("inputs_embeds is not supported with speculative decoding; pass input_ids")
+    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_KWARGS_WE_HANDLE)
+    if extra:
+        raise ValueError(
+            f"model inputs {extra} are not supported with speculative decoding (it runs on input_ids alone; image, "
+            "audio and other non-text inputs are not speculated on yet); allowed: input_ids, attention_mask"
+        )
     cache = model_kwargs.get("cache")
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("a pre-filled cache cannot be reused with speculative decoding; pass cache=None")
