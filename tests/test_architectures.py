@@ -371,3 +371,64 @@ def test_layer_skip_on_a_hybrid_model_is_refused():
     model = families.build_tiny_model("qwen3_next")
     with pytest.raises(ValueError, match="layer_skip' is not supported for model_type='qwen3_next'"):
         speculate(model, family_inputs(), 8, method="layer_skip", early_exit_layer=1)
+
+
+# --- image-text-to-text: the model's own forward prefills, the loop speculates on the text ------------
+
+
+def tiny_gemma3_vlm():
+    """Gemma 3 with a one-layer SigLIP tower (32 px images, 4 tokens each), sliding window 8 < the prompts."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(TINY, vocab_size=300, num_hidden_layers=2, sliding_window=8, initializer_range=0.2, tie_word_embeddings=False)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299, boi_token_index=297,
+        eoi_token_index=298, initializer_range=0.2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    return model
+
+
+def image_prompts():
+    """Two left-padded rows, each with one image (its 4 tokens between begin / end markers) and text after
+    it; token_type_ids mark the image tokens, so image tokens see each other as Gemma 3's processor asks."""
+    image = [297, 299, 299, 299, 299, 298]
+    rows = [[2, 5, 6, *image, 7, 8, 9, 10, 11, 7, 8, 9], [2, *image, 20, 21, 22, 23, 20, 21]]
+    inputs = left_padded_batch(rows)
+    inputs["token_type_ids"] = (inputs["input_ids"] == 299).long()
+    inputs["pixel_values"] = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    return inputs
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle3"])
+def test_image_prompt_prefilled_by_the_model_then_speculated(drafter):
+    model = tiny_gemma3_vlm()
+    inputs = image_prompts()
+    plain = plain_generate(model, **inputs, max_new_tokens=24, do_sample=False)
+    text_only = {k: v for k, v in inputs.items() if k not in ("pixel_values", "token_type_ids")}
+    assert not torch.equal(plain, plain_generate(model, **text_only, max_new_tokens=24, do_sample=False)), (
+        "the images do not change the output: the test would not notice them being dropped"
+    )
+    config = {"method": "ngram"} if drafter == "ngram" else {
+        "method": "eagle3", "model": hf_specdec.EagleHead.for_target(model, "eagle3", seed=0)
+    }
+    out = speculate(model, inputs, 24, **config)
+    assert torch.equal(out.sequences, plain)
+    assert out.spec_metrics["num_draft_tokens"] > 0
+
+
+def test_image_inputs_refused_where_positions_are_not_token_counts():
+    """M-RoPE models (Qwen2-VL and its kind) place text after an image at offset 3-D positions."""
+    from hf_specdec.loop.prefill import check_model_prefill
+
+    class MRopeLlama(LlamaForCausalLM):
+        def get_rope_index(self, *args, **kwargs):
+            raise NotImplementedError
+
+    torch.manual_seed(0)
+    model = MRopeLlama(LlamaConfig(**TINY, num_hidden_layers=1)).eval()
+    with pytest.raises(ValueError, match=r"\['pixel_values'\] are not supported for model_type='llama'.*M-RoPE"):
+        check_model_prefill(model, {"pixel_values": torch.zeros(1)})

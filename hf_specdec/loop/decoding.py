@@ -38,6 +38,7 @@ from ..sampling.metadata import SpecDecodeMetadata
 from ..sampling.rejection_sampler import draw_random, rejection_sample
 from .auto_k import AutoKController
 from .metrics import SpecDecodeMetrics
+from .prefill import check_model_prefill, prefill_with_model
 
 
 @dataclass
@@ -137,20 +138,28 @@ def generate(
         fast_cpu_linears(*networks, backend=linear_backend) if linear_backend != "torch" else contextlib.nullcontext()
     )
     # drafters that read the target's hidden states (EAGLE) get them from hooks on these forwards
-    with torch.no_grad(), use_paged_attention(model), fast_linears, capture_for_proposer(model, proposer) as features:
-        while not state.finished.all():
-            step = speculative_step(
-                model, state, proposer, cache, config, logits_processor, stop_checker, sampling, metrics, features,
-                k_controller=k_controller,
+    prefill_inputs = _prefill_inputs(model_kwargs)
+    with torch.no_grad(), capture_for_proposer(model, proposer) as features:
+        if prefill_inputs:  # images and the like: the model's own forward prefills the prompt
+            attention_mask = model_kwargs.get("attention_mask")
+            state.num_cached[:] = prefill_with_model(
+                model, input_ids, torch.ones_like(input_ids) if attention_mask is None else attention_mask,
+                prefill_inputs, cache, features,
             )
-            for row, tokens, raw, processed in step:
-                if want_scores:
-                    emitted_scores[row].append(processed)
-                if want_logits:
-                    emitted_logits[row].append(raw)
-                if streamer is not None:
-                    for token in tokens:
-                        streamer.put(token[None].cpu())
+        with use_paged_attention(model), fast_linears:
+            while not state.finished.all():
+                step = speculative_step(
+                    model, state, proposer, cache, config, logits_processor, stop_checker, sampling, metrics, features,
+                    k_controller=k_controller,
+                )
+                for row, tokens, raw, processed in step:
+                    if want_scores:
+                        emitted_scores[row].append(processed)
+                    if want_logits:
+                        emitted_logits[row].append(raw)
+                    if streamer is not None:
+                        for token in tokens:
+                            streamer.put(token[None].cpu())
     metrics.total_seconds = time.perf_counter() - started
     if streamer is not None:
         streamer.end()
@@ -301,6 +310,12 @@ _MODEL_KWARGS_WE_HANDLE = frozenset(
 )
 
 
+def _prefill_inputs(model_kwargs: dict) -> dict:
+    """Inputs besides the tokens (images as `mm_encoder_outputs`, `token_type_ids`, ...): the model's own
+    prefill consumes them (`prefill.py`), as plain generate() uses them in its first step only."""
+    return {k: v for k, v in model_kwargs.items() if v is not None and k not in _MODEL_KWARGS_WE_HANDLE}
+
+
 def _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus) -> None:
     if generation_config.num_beams != 1:
         raise ValueError(f"num_beams={generation_config.num_beams} is not supported with speculative decoding; allowed: 1")
@@ -309,12 +324,9 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
             raise ValueError(f"{option} is transformers' own assisted generation; do not combine it with speculative_config")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("inputs_embeds is not supported with speculative decoding; pass input_ids")
-    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_KWARGS_WE_HANDLE)
-    if extra:
-        raise ValueError(
-            f"model inputs {extra} are not supported with speculative decoding (it runs on input_ids alone; image, "
-            "audio and other non-text inputs are not speculated on yet); allowed: input_ids, attention_mask"
-        )
+    prefill_inputs = _prefill_inputs(model_kwargs)
+    if prefill_inputs:
+        check_model_prefill(model, prefill_inputs)
     cache = model_kwargs.get("cache")
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("a pre-filled cache cannot be reused with speculative decoding; pass cache=None")

@@ -183,9 +183,12 @@ class TargetFeatureCapture:
         return torch.cat([self._hidden(i) for i in self.layers], dim=-1)
 
     # --- per row, between verify and the next draft ----------------------------------------------
-    def keep(self, row: int, start: int, count: int) -> None:
-        """Row `row`'s tokens at packed positions [start, start + count) of the verify were accepted."""
-        self.pending.add(row, torch.cat([self._hidden(i)[0, start : start + count] for i in self.layers], dim=-1))
+    def keep(self, row: int, start: int, count: int, batch_index: int = 0) -> None:
+        """Row `row`'s tokens at positions [start, start + count) of the captured forward became context:
+        packed positions of a verify, or (`batch_index`) columns of a batched prefill."""
+        self.pending.add(
+            row, torch.cat([self._hidden(i)[batch_index, start : start + count] for i in self.layers], dim=-1)
+        )
 
     def drop(self, row: int) -> None:
         self.pending.drop(row)
