@@ -7,6 +7,8 @@ ValueError naming its model type and the reason.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -65,6 +67,18 @@ def speculate(target, inputs, max_new_tokens: int, **config):
         speculative_config=spec,
         return_dict_in_generate=True,
     )
+
+
+def perturbed_copy(model: torch.nn.Module, scale: float = 0.01) -> torch.nn.Module:
+    """The target with every weight moved by a little noise: a draft model that mostly agrees with it."""
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            if parameter.is_floating_point() and parameter.numel() > 1:
+                noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+                parameter.add_(noise * scale * parameter.std().clamp_min(1e-3))
+    return draft
 
 
 def assert_identical_with_drafts(model, inputs, max_new_tokens: int = 40, **config):
@@ -320,8 +334,6 @@ def test_hybrid_models_roll_their_state_back_exactly(model_type):
     """Gated delta-net (Qwen3-Next), Mamba-2, short convolutions (LFM2), Mamba + attention + MoE (Jamba):
     batch 3, drafts partly rejected at every depth (a perturbed-copy draft model, k=5), identical."""
     import families
-    from test_family_matrix import perturbed_copy
-
     model = families.build_tiny_model(model_type)
     inputs = family_inputs()
     plain = plain_generate(model, **inputs, max_new_tokens=40, do_sample=False)

