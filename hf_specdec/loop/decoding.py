@@ -219,7 +219,7 @@ def speculative_step(
     num_draft = np.array(spec.num_draft_tokens, dtype=np.int64)
     metrics.draft_seconds += time.perf_counter() - clock
 
-    # 2. verify: pending tokens + drafts of every row, packed into one forward
+    # 2. verify: pending tokens + drafts of every row, packed into one forward (one per row for hybrids)
     clock = time.perf_counter()
     pending = [state.pending_tokens(r) for r in rows]
     num_pending = np.array([len(p) for p in pending], dtype=np.int64)
