@@ -40,7 +40,6 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "dots3_note_text": "'indexed_attention'",
     "electra": "reads inputs laid out by batch row",
     "ernie": "reads inputs laid out by batch row",
-    "falcon_h1": "one cache layer holding both recurrent state",
     "gemma3n_text": "reuse another layer's KV cache",
     "gemma4_unified": "reads inputs laid out by batch row",
     "git": "reads the attention mask itself",
@@ -48,9 +47,9 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "gpt_neo": "not all routed through transformers' AttentionInterface",
     "gpt_neox_japanese": "not all routed through transformers' AttentionInterface",
     "hy_v4": "'indexed_attention'",
-    "inkling2_loop_text": "one cache layer holding both recurrent state",
-    "inkling2_text": "one cache layer holding both recurrent state",
-    "inkling_text": "one cache layer holding both recurrent state",
+    "inkling2_loop_text": "passes \\['position_bias'\\]",
+    "inkling2_text": "passes \\['position_bias'\\]",
+    "inkling_text": "passes \\['position_bias'\\]",
     "jetmoe": "does not run on the paged KV cache",
     "kolibri1_1": "reuse another layer's KV cache",
     "marian": "logits on the paged cache differ",
@@ -82,9 +81,8 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "xlnet": "keeps its own cache class",
     "xlstm": "keeps its own cache class",
     "xmod": "reads inputs laid out by batch row",
-    "zamba": "one cache layer holding both recurrent state",
-    "zamba2": "one cache layer holding both recurrent state",
-    "zaya": "one cache layer holding both recurrent state",
+    "zamba": "rolling its recurrent state back one token changes its logits",
+    "zaya": "rolling its recurrent state back one token changes its logits",
 }
 
 MAX_NEW_TOKENS = 30

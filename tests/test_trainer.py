@@ -298,14 +298,15 @@ def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer, 
     with pytest.raises(ValueError, match="no chat template"):
         _train(no_template, messages, tmp_path / "bad2")
 
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
 
-    gpt2 = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=128)).save_pretrained(gpt2)
-    word_tokenizer.save_pretrained(gpt2)
-    shutil.copy(target_folder / "tokenizer_config.json", gpt2 / "tokenizer_config.json")
-    with pytest.raises(ValueError, match="does not expose decoder layers"):
-        _train(gpt2, messages, tmp_path / "bad3")
+    # the original GPT has no final norm: no lm_head input to take EAGLE features from
+    gpt = tmp_path / "openai-gpt"
+    OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=128)).save_pretrained(gpt)
+    word_tokenizer.save_pretrained(gpt)
+    shutil.copy(target_folder / "tokenizer_config.json", gpt / "tokenizer_config.json")
+    with pytest.raises(ValueError, match="has no final norm"):
+        _train(gpt, messages, tmp_path / "bad3")
 
     base = ["--target", "x", "--data", "y", "--output", "z"]
     for bad, field in ((["--method", "medusa"], "--method"), (["--ttt-steps", "0"], "--ttt-steps"),

@@ -83,6 +83,25 @@ def _static_reason(model: PreTrainedModel, config, text) -> str:
     return ""
 
 
+def _rollback_problem(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.Tensor, last_logits: torch.Tensor) -> str:
+    """Roll row 0 back by one token and feed that token again: its logits must come out as before
+    (float32; other dtypes only check that the rollback runs). '' when they do."""
+    length = len(tokens)
+    try:
+        cache.rollback(0, length - 1)
+        again = forward_tokens(
+            model, cache, [0], [1], tokens[-1:].to(model.device), torch.tensor([length - 1], device=model.device),
+            np.arange(1),
+        )[0].float().cpu()
+    except (IndexError, RuntimeError) as error:
+        return f"its recurrent layers do not keep the per-token states a rollback needs ({type(error).__name__}: {error})"
+    if next(model.parameters()).dtype == torch.float32:
+        error = float((again - last_logits).abs().max())
+        if error > PROBE_TOLERANCE * (1.0 + float(last_logits.abs().max())):
+            return f"rolling its recurrent state back one token changes its logits by {error:.3g} (float32)"
+    return ""
+
+
 def _routing_problem(meta, attention_layers: int, finished: bool) -> str:
     """'' when the forward's cache writes and paged attention calls add up (so far, when it failed midway)."""
     calls = 0 if meta is None else meta.scratch.get("attention_calls", 0)
@@ -154,7 +173,7 @@ def _probe(model: PreTrainedModel) -> str:
     rows = [torch.randint(0, vocab, (5,), generator=generator), torch.randint(0, vocab, (3,), generator=generator)]
     chunks = [(3, 2), (2, 1)]  # tokens each row feeds in the first and second forward
     cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4, max_rollback=2)
-    attention_layers = sum(kind in ("full", "sliding", "chunked") for kind, _ in cache.layer_kinds)
+    attention_layers = sum(kind in ("full", "sliding", "chunked", "recurrent+attention") for kind, _ in cache.layer_kinds)
     paged_logits: list[list[torch.Tensor]] = [[], []]
     keywords: set[str] = set()
     own_mask = False  # whether the model built an attention mask of its own (ALiBi, hand-made masks)
@@ -199,6 +218,10 @@ def _probe(model: PreTrainedModel) -> str:
                     own_mask |= meta.scratch.get("attention_mask_given", False)
                     for row, piece in enumerate(logits.split(counts)):
                         paged_logits[row].append(piece.float().cpu())
+                if cache.recurrent is not None:
+                    rollback_error = _rollback_problem(model, cache, rows[0], paged_logits[0][-1][-1])
+                    if rollback_error:
+                        return rollback_error
             inconsistent = _mask_disagrees_with_cache(cache.layer_kinds, layer_masks)
             if inconsistent:
                 return inconsistent

@@ -38,7 +38,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from .recurrent import RECURRENT_LAYER_TYPES, RecurrentStates
+from .recurrent import RECURRENT_AND_ATTENTION_LAYER_TYPES, RECURRENT_LAYER_TYPES, RecurrentStates
 
 # The metadata of the forward in progress, published by each cache write for the attention function
 # that follows it: models that do not forward their kwargs to the cache or to attention (GPT-NeoX
@@ -90,7 +90,9 @@ class BlockAllocator:
 
 # layer types (transformers' `layer_types`) the paged cache holds: attention the paged path
 # reproduces, and the recurrent / convolution states `recurrent.py` rolls back
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", *RECURRENT_LAYER_TYPES)
+SUPPORTED_LAYER_TYPES = (
+    "full_attention", "sliding_attention", "chunked_attention", *RECURRENT_LAYER_TYPES, *RECURRENT_AND_ATTENTION_LAYER_TYPES
+)
 # layer types without any attention or cache (their layers need no pool)
 NO_CACHE_LAYER_TYPES = ("moe", "mlp")
 
@@ -100,7 +102,8 @@ class UnsupportedModelError(ValueError):
 
 def layer_attention(config) -> list[tuple[str, int | None]]:
     """Per decoder layer, its kind and size: ("full", None), ("sliding", window), ("chunked", chunk),
-    ("recurrent", None) for a recurrent / convolution state (`recurrent.py`), ("none", None) for a
+    ("recurrent", None) for a recurrent / convolution state (`recurrent.py`), ("recurrent+attention",
+    window) for a layer holding both (Zamba, Falcon-H1), ("none", None) for a
     layer without attention; raises `UnsupportedModelError` for a layer type not implemented here.
 
     Read through transformers' own `get_layer_types_and_kwargs`, the function that shapes its
@@ -126,15 +129,12 @@ def layer_attention(config) -> list[tuple[str, int | None]]:
             kinds.append(("chunked", int(kwargs["sliding_window"])))
         elif layer_type in RECURRENT_LAYER_TYPES:
             kinds.append(("recurrent", None))
+        elif layer_type in RECURRENT_AND_ATTENTION_LAYER_TYPES:
+            kinds.append(("recurrent+attention", kwargs.get("sliding_window")))
         else:
-            reason = (
-                "one cache layer holding both recurrent state and attention keys / values (not built)"
-                if layer_type in ("hybrid", "hybrid_sliding")
-                else "an attention kind the paged attention does not implement"
-            )
             raise UnsupportedModelError(
-                f"model_type={model_type!r} is not supported: layer {index} is {layer_type!r}: {reason}; "
-                f"supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)}"
+                f"model_type={model_type!r} is not supported: layer {index} is {layer_type!r}: an attention kind "
+                f"the paged attention does not implement; supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)}"
             )
     return kinds
 
@@ -142,7 +142,10 @@ def layer_attention(config) -> list[tuple[str, int | None]]:
 def recurrent_states_for(config, max_rollback: int) -> RecurrentStates | None:
     """The per-row recurrent states of a hybrid model's config; None when it has no recurrent layer."""
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config())
-    indices = [i for i, layer_type in enumerate(layer_types) if layer_type in RECURRENT_LAYER_TYPES]
+    indices = [
+        i for i, layer_type in enumerate(layer_types)
+        if layer_type in RECURRENT_LAYER_TYPES or layer_type in RECURRENT_AND_ATTENTION_LAYER_TYPES
+    ]
     if not indices:
         return None
     return RecurrentStates(
@@ -323,6 +326,7 @@ class PagedKVCache(Cache):
             raise ValueError(f"PagedKVCache needs num_blocks >= 1, got {num_blocks}")
         layers = [PagedLayer(num_blocks, block_size, gathered) for _ in range(num_layers)]
         if recurrent is not None:  # placeholders: each row's own layer objects go here before its forward
+            recurrent.attention = {index: layers[index] for index in recurrent.layer_types}
             for index in recurrent.layer_types:
                 layers[index] = recurrent.new_layer(index)
         if num_kv_heads is not None and head_dim is not None:

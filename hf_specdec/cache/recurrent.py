@@ -19,10 +19,29 @@ rollback may remove plus one (the loop removes at most k rejected drafts).
 
 from __future__ import annotations
 
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, CacheLayerMixin, LinearAttentionLayer
 
 # transformers' layer types whose cache layer is a pure recurrent / convolution state
 RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
+# ... and those whose one cache layer holds recurrent state and attention keys / values (Zamba,
+# Falcon-H1): the state is the row's, the keys / values go to the shared paged pool of that layer
+RECURRENT_AND_ATTENTION_LAYER_TYPES = ("hybrid", "hybrid_sliding")
+
+
+class RowHybridLayer(LinearAttentionLayer, CacheLayerMixin):
+    """One row's cache layer for a layer that is recurrent and attends: its own recurrent / conv state
+    (transformers' `LinearAttentionLayer`), its keys / values written to `attention` (the cache's
+    `PagedLayer` for that index, shared by every row)."""
+
+    def __init__(self, attention: CacheLayerMixin, number_of_states: int = 1, **kwargs):
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+        self.attention = attention
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.attention.update(key_states, value_states, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.attention.get_mask_sizes(query_length)
 
 
 class RecurrentStates:
@@ -36,11 +55,16 @@ class RecurrentStates:
         self.layer_types = layer_types
         self.layer_kwargs = layer_kwargs
         self.max_rollback = max_rollback
+        self.attention: dict[int, CacheLayerMixin] = {}  # the shared paged layers of "hybrid" indices
         self._rows: dict[int, dict[int, object]] = {}
 
     def new_layer(self, index: int) -> object:
         """An empty cache layer of the kind transformers gives layer `index`, recording its past."""
-        layer = DYNAMIC_LAYER_TYPE_MAPPING[self.layer_types[index]](**self.layer_kwargs[index])
+        layer_type = self.layer_types[index]
+        if layer_type in RECURRENT_AND_ATTENTION_LAYER_TYPES:
+            layer = RowHybridLayer(self.attention[index], **self.layer_kwargs[index])
+        else:
+            layer = DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**self.layer_kwargs[index])
         layer.activate_past_recording(recurrent_states_to_keep=self.max_rollback + 1)
         return layer
 

@@ -144,7 +144,7 @@ def generate(
             attention_mask = model_kwargs.get("attention_mask")
             state.num_cached[:] = prefill_with_model(
                 model, input_ids, torch.ones_like(input_ids) if attention_mask is None else attention_mask,
-                prefill_inputs, cache, features,
+                model_kwargs.get("position_ids"), prefill_inputs, cache, features,
             )
         with use_paged_attention(model), fast_linears:
             while not state.finished.all():
@@ -313,7 +313,10 @@ _MODEL_KWARGS_WE_HANDLE = frozenset(
 def _prefill_inputs(model_kwargs: dict) -> dict:
     """Inputs besides the tokens (images as `mm_encoder_outputs`, `token_type_ids`, ...): the model's own
     prefill consumes them (`prefill.py`), as plain generate() uses them in its first step only."""
-    return {k: v for k, v in model_kwargs.items() if v is not None and k not in _MODEL_KWARGS_WE_HANDLE}
+    return {
+        k: v for k, v in model_kwargs.items()
+        if k not in _MODEL_KWARGS_WE_HANDLE and v is not None and not (isinstance(v, (dict, list, tuple)) and not v)
+    }
 
 
 def _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus) -> None:

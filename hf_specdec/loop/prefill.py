@@ -35,7 +35,7 @@ def check_model_prefill(model: PreTrainedModel, inputs: dict) -> None:
             f"model inputs {names} are not supported for model_type={model_type!r}: its positions after an image are "
             "3-D (M-RoPE, offset per image), and the speculative loop continues with token-count positions"
         )
-    if any(kind == "recurrent" for kind, _ in layer_attention(model.config)):
+    if any(kind.startswith("recurrent") for kind, _ in layer_attention(model.config)):
         raise ValueError(
             f"model inputs {names} are not supported for model_type={model_type!r}: handing a hybrid model's "
             "recurrent state from its own prefill to the speculative loop is not built"
@@ -46,22 +46,26 @@ def prefill_with_model(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
     inputs: dict,
     cache: PagedKVCache,
     features: TargetFeatureCapture | None,
 ) -> np.ndarray:
     """Run the model's own forward over every prompt token but the last (left-padded batch, with the
-    extra `inputs`), copy each row's keys / values into `cache` and, for drafters reading the
-    target's hidden states, queue each row's features. Returns the tokens now cached per row."""
+    positions plain generate() computed for it and the extra `inputs`), copy each row's keys / values
+    into `cache` and, for drafters reading the target's hidden states, queue each row's features.
+    Returns the tokens now cached per row."""
     batch, width = input_ids.shape
     prompt_lens = attention_mask.sum(dim=1).cpu().numpy().astype(np.int64)
     cached = np.maximum(prompt_lens - 1, 0)
     if width < 2:
         return cached
     own_cache = DynamicCache(config=model.config)
+    if position_ids is None:  # what generate() derives from a left-padded mask
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     prepared = model.prepare_inputs_for_generation(
         input_ids[:, :-1], cache=own_cache, attention_mask=attention_mask[:, :-1], use_cache=True,
-        is_first_iteration=True, **inputs,
+        position_ids=position_ids[:, :-1], is_first_iteration=True, **inputs,
     )
     if features is not None:
         features.begin_forward()
