@@ -65,7 +65,7 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "prophetnet": "cross-attend",
     "qwen4_exp": "'indexed_attention'",
     "qwen4_exp_text": "'indexed_attention'",
-    "recurrent_gemma": "logits on the paged cache differ",
+    "recurrent_gemma": "do not keep the per-token states a rollback needs",
     "reformer": "keeps its own cache class",
     "rembert": "reads the attention mask itself",
     "roberta": "reads inputs laid out by batch row",

@@ -93,7 +93,7 @@ def _rollback_problem(model: PreTrainedModel, cache: PagedKVCache, tokens: torch
             model, cache, [0], [1], tokens[-1:].to(model.device), torch.tensor([length - 1], device=model.device),
             np.arange(1),
         )[0].float().cpu()
-    except (IndexError, RuntimeError) as error:
+    except (IndexError, RuntimeError, ValueError) as error:
         return f"its recurrent layers do not keep the per-token states a rollback needs ({type(error).__name__}: {error})"
     if next(model.parameters()).dtype == torch.float32:
         error = float((again - last_logits).abs().max())
