@@ -343,6 +343,10 @@ def test_hybrid_models_roll_their_state_back_exactly(model_type):
     drafted = out.spec_metrics["num_draft_tokens"]
     assert 0 < out.spec_metrics["num_accepted_tokens"] < drafted, "no partial rollback happened"
     assert len(per_position) >= 2
+    # an EAGLE-3 head reads the target's hidden states, captured over the per-row forwards
+    head = hf_specdec.EagleHead.for_target(model, "eagle3", seed=0)
+    out = speculate(model, inputs, 40, method="eagle3", model=head, num_speculative_tokens=3)
+    assert torch.equal(out.sequences, plain) and out.spec_metrics["num_draft_tokens"] > 0
 
 
 def test_recurrent_rollback_equals_never_having_fed_the_tokens():

@@ -298,15 +298,17 @@ def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer, 
     with pytest.raises(ValueError, match="no chat template"):
         _train(no_template, messages, tmp_path / "bad2")
 
-    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+    from transformers import BertConfig, BertLMHeadModel
 
-    # the original GPT has no final norm: no lm_head input to take EAGLE features from
-    gpt = tmp_path / "openai-gpt"
-    OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=128)).save_pretrained(gpt)
-    word_tokenizer.save_pretrained(gpt)
-    shutil.copy(target_folder / "tokenizer_config.json", gpt / "tokenizer_config.json")
-    with pytest.raises(ValueError, match="has no final norm"):
-        _train(gpt, messages, tmp_path / "bad3")
+    # a BERT decoder keeps its layers inside bert.encoder.layer: no decoder layer list to read features at
+    bert = tmp_path / "bert"
+    config = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, is_decoder=True)
+    BertLMHeadModel(config).save_pretrained(bert)
+    word_tokenizer.save_pretrained(bert)
+    shutil.copy(target_folder / "tokenizer_config.json", bert / "tokenizer_config.json")
+    with pytest.raises(ValueError, match="cannot find the decoder layers"):
+        _train(bert, messages, tmp_path / "bad3")
 
     base = ["--target", "x", "--data", "y", "--output", "z"]
     for bad, field in ((["--method", "medusa"], "--method"), (["--ttt-steps", "0"], "--ttt-steps"),

@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
-from ..models.feature_capture import first_layers_only
+from ..models.feature_capture import decoder_parts, first_layers_only
 from .base import DraftProposal, ProposeRequest
 from .drafting import (
     DraftSampling,
@@ -42,6 +42,11 @@ from .drafting import (
 def check_early_exit_layer(model: PreTrainedModel, early_exit_layer: int | None) -> int:
     """The validated N: an int from 1 to the model's num_hidden_layers - 1."""
     num_layers = model.config.get_text_config().num_hidden_layers
+    if len(decoder_parts(model)[0]) != num_layers:  # LongCat: two sublayers per entry of its layer list
+        raise ValueError(
+            f"speculative_config.method='layer_skip' needs one decoder layer per num_hidden_layers; "
+            f"{type(model).__name__} lists {len(decoder_parts(model)[0])} for num_hidden_layers={num_layers}"
+        )
     if isinstance(early_exit_layer, bool) or not isinstance(early_exit_layer, int):
         raise ValueError(
             f"speculative_config.early_exit_layer={early_exit_layer!r} is invalid for method='layer_skip'; "

@@ -3,9 +3,10 @@ the loop runs anyway: no second target pass, no `output_hidden_states` for every
 
 Forward hooks sit only on the modules whose hidden states the drafter reads. Indices follow
 transformers' `hidden_states`: index i < L is the input of decoder layer i (a pre-hook on that
-layer), index L the output of the final norm (a hook on the norm), i.e. the lm_head input.
+layer), index L the decoder's output `last_hidden_state` (a hook on the base model), i.e. the
+final norm's output and the lm_head input.
 
-Inside generate, each verify forward overwrites the capture; the loop then keeps, per row, only
+Inside generate, the loop starts a capture before each verify (`begin_forward`); it then keeps, per row, only
 the positions that became accepted context (the pending token(s) and the accepted drafts), in a
 `PendingFeatures` the drafter reads at its next calls (`ProposeRequest.target_features`). They
 wait there until the drafter takes them: a row that does not draft this step (k = 0, an n-gram
@@ -20,43 +21,46 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-# names transformers' causal LMs give their final norm (the lm_head input), most common first
-_FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f", "final_norm", "layer_norm")
-
 
 def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
-    """The decoder layers and final norm of a causal LM, whatever its architecture calls them
-    (`model.layers` + `norm` for Llama-style models, `transformer.h` + `ln_f` for GPT-2, `gpt_neox.layers`
-    + `final_layer_norm`, the language model of an image-text-to-text model...).
+    """The decoder layers of a causal LM and its decoder (base model), whatever its architecture calls
+    them (`model.layers` for Llama-style models, `transformer.h` for GPT-2, `gpt_neox.layers`, the
+    language model of an image-text-to-text model...).
 
-    The layers are the base model's `ModuleList` with one entry per hidden layer; the norm, its
-    child with one of the usual final-norm names. ValueError naming what is missing otherwise.
+    The layers are the decoder's `ModuleList` with one entry per hidden layer. The decoder's own
+    output (`last_hidden_state`) is the final hidden state, after the final norm, at every position:
+    the lm_head input, whatever the norm is called (LFM2 names it `embedding_norm`). ValueError
+    naming what is missing otherwise.
     """
     base, name = _decoder_and_layers_name(model)
-    norm = next((getattr(base, n) for n in _FINAL_NORM_NAMES if isinstance(getattr(base, n, None), nn.Module)), None)
-    if norm is None:
-        raise ValueError(
-            f"cannot capture hidden states of {type(model).__name__}: its decoder {type(base).__name__} has no "
-            f"final norm named any of {', '.join(_FINAL_NORM_NAMES)}"
-        )
-    return getattr(base, name), norm
+    return getattr(base, name), base
 
 
 def _decoder_and_layers_name(model: nn.Module) -> tuple[nn.Module, str]:
-    """The base (decoder) model and the attribute holding its layers."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    """The base (decoder) model and the attribute holding its layers: the first of `get_decoder()`,
+    the base model and `model.model` with exactly one `ModuleList` child, preferring the one of
+    num_hidden_layers entries (`get_decoder()` returns the whole model for some classes, the head for
+    others)."""
     config = model.config.get_text_config() if hasattr(model, "config") else None
     num_layers = getattr(config, "num_hidden_layers", None)
     candidates = [
-        n for n, child in (base.named_children() if isinstance(base, nn.Module) else [])
-        if isinstance(child, nn.ModuleList) and len(child) == num_layers
+        model.get_decoder() if hasattr(model, "get_decoder") else None,
+        getattr(model, getattr(model, "base_model_prefix", ""), None),
+        getattr(model, "model", None),
     ]
-    if len(candidates) != 1:
-        raise ValueError(
-            f"cannot find the decoder layers of {type(model).__name__}: expected one ModuleList of "
-            f"num_hidden_layers={num_layers} layers in its decoder, found {candidates or 'none'}"
-        )
-    return base, candidates[0]
+    found = []
+    for base in candidates:
+        if not isinstance(base, nn.Module):
+            continue
+        lists = [n for n, child in base.named_children() if isinstance(child, nn.ModuleList)]
+        exact = [n for n in lists if len(getattr(base, n)) == num_layers]
+        if len(exact) == 1 or len(lists) == 1:
+            return base, (exact or lists)[0]
+        found.append(f"{type(base).__name__}: {lists or 'none'}")
+    raise ValueError(
+        f"cannot find the decoder layers of {type(model).__name__}: expected its decoder to hold one ModuleList "
+        f"of layers (num_hidden_layers={num_layers}), found {'; '.join(found) or 'no decoder'}"
+    )
 
 
 @contextlib.contextmanager
@@ -123,13 +127,13 @@ class TargetFeatureCapture:
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[int]):
-        decoder_layers, norm = decoder_parts(model)
+        decoder_layers, decoder = decoder_parts(model)
         num_layers = len(decoder_layers)
         self.layers = tuple(int(i) for i in layers)
         for index in self.layers:
             if not 0 <= index <= num_layers:
                 raise ValueError(f"hidden_states index {index} is outside [0, {num_layers}] for this model")
-        self._modules = {i: (norm if i == num_layers else decoder_layers[i]) for i in set(self.layers)}
+        self._modules = {i: (decoder if i == num_layers else decoder_layers[i]) for i in set(self.layers)}
         self._num_layers = num_layers
         # index -> [batch, tokens, H] pieces of the forwards since `begin_forward` (one per row when a
         # hybrid model's cache runs its rows one at a time: together they are the packed layout)
@@ -162,7 +166,9 @@ class TargetFeatureCapture:
 
     def _output_hook(self, index: int):
         def hook(module, args, output):
-            self._captured.setdefault(index, []).append((output[0] if isinstance(output, tuple) else output).detach())
+            # a decoder returns a ModelOutput (last_hidden_state first), a norm a tensor
+            hidden = output if isinstance(output, torch.Tensor) else output[0]
+            self._captured.setdefault(index, []).append(hidden.detach())
 
         return hook
 
