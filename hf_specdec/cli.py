@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -88,6 +89,31 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     bench.add_argument("--threads", type=int, help="torch CPU threads")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--replan-linears",
+        action="store_true",
+        help="time the fp32 CPU linear routes again (whole forwards of the model) before the arms and store "
+        "the plan that 'auto' then runs by (default: the plan stored for this machine, timed on first use)",
+    )
+    plan = commands.add_parser(
+        "plan-linears",
+        help="time the fp32 CPU linear routes on this machine and store the plan cpu_linear_backend='auto' uses",
+        description="Time torch's BLAS (x @ weight.T and weight @ x.T), oneDNN and the numba kernel on the "
+        "model's fp32 linears at each row count, print the timings and the route chosen per row count, and "
+        "store the plan in the cache folder ($HF_SPECDEC_CACHE, else ~/.cache/hf_specdec), keyed by CPU, "
+        "threads, torch / numba versions and the linears' shapes: every later process with that key reads it.",
+    )
+    plan.set_defaults(command=_plan_linears)
+    plan.add_argument("--model", default="smollm2", help="a folder, a Hub id, or 'smollm2' (default)")
+    plan.add_argument("--threads", type=int, help="torch CPU threads (part of the plan's key)")
+    plan.add_argument("--rows", type=_rows, help="row counts to time, e.g. 1,2,4,8 (default 1,2,3,4,6,8,12,16,24,32)")
+    plan.add_argument(
+        "--whole-forward",
+        action="store_true",
+        help="time whole forwards of the model per route (what a decode / verify step costs) instead of "
+        "passes over its linears (about 2x the time)",
+    )
+    plan.add_argument("--repeats", type=int, default=3, help="passes per route and row count; the fastest counts")
     return parser
 
 
@@ -110,6 +136,18 @@ def _ks(value: str) -> tuple[int, ...]:
             f"--ks={value!r}: allowed: integers separated by commas, e.g. 1,2,4,8"
         ) from None
     return ks
+
+
+def _rows(value: str) -> tuple[int, ...]:
+    try:
+        rows = tuple(int(count) for count in value.split(","))
+    except ValueError:
+        rows = ()
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--rows={value!r}: allowed: integers >= 1 separated by commas, e.g. 1,2,4,8"
+        )
+    return rows
 
 
 def _backends(value: str) -> tuple[str, ...]:
@@ -157,6 +195,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.batch_size < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         raise ValueError("--batch-size and --num-prompts: allowed: integers >= 1")
     model, tokenizer = load_target(args.model, DTYPES[args.dtype], args.device)
+    if args.replan_linears:
+        from .models.cpu_linear import plan_linears
+
+        (plan,) = plan_linears(model, replan=True, whole_forward=True)
+        if plan is not None:
+            print(f"fp32 CPU linears timed again ({plan.seconds:.1f} s): {plan.describe()}")
     prompts = load_prompts(args.prompts, tokenizer, limit=args.num_prompts)
     results = run_benchmark(model, tokenizer, prompts, settings, progress=not args.no_progress)
     print(format_table(results))
@@ -167,6 +211,47 @@ def _bench(args: argparse.Namespace) -> int:
         write_speedup_png(results, args.png)
         print(f"wrote {args.png}")
     return 0
+
+
+def _plan_linears(args: argparse.Namespace) -> int:
+    from .models.cpu_linear import plan_linears, plan_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats={args.repeats}: allowed: integers >= 1")
+    model = load_plain_fp32(args.model)
+    (plan,) = plan_linears(
+        model, replan=True, rows=sorted(set(args.rows)) if args.rows else None, whole_forward=args.whole_forward,
+        repeats=args.repeats,
+    )  # fmt: skip
+    if plan is None:
+        raise ValueError(f"--model={args.model!r} has no fp32 CPU nn.Linear to plan")
+    key = plan.key
+    try:
+        load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    except (AttributeError, OSError):
+        load = "unknown"
+    print(f"{key['cpu']}; {key['threads']} threads; torch {key['torch']}; numba {key['numba']}; load average {load}")
+    print(plan.table())
+    print(f"plan: {plan.describe()}")
+    print(f"timed by {plan.method} passes in {plan.seconds:.1f} s")
+    if plan.path:
+        print(f"stored in {plan.path}")
+    else:
+        print(f"not stored (see the warning above); it would go to {plan_path(key)}")
+    return 0
+
+
+def load_plain_fp32(name: str) -> torch.nn.Module:
+    """The model `name` (a folder, a Hub id or 'smollm2') in fp32 on CPU, eval mode, no tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from .models.real_models import load_smollm2
+
+    if name == "smollm2":
+        return load_smollm2(torch.float32, "cpu")[0]
+    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
 
 
 def load_target(

@@ -106,8 +106,11 @@ def run_benchmark(
     results = summarize(runs, settings, num_prompts=len(prompts), weight_bytes=weight_bytes)
     backends = {settings.speculative_config(settings.k).cpu_linear_backend, *settings.cpu_linear_backends}
     if any(resolve_backend(backend, [model]) == "auto" for backend in backends):
-        plan = linear_plan(model)  # measured during the warm-up calls: the routes "auto" ran the target's linears by
-        results["cpu_linear_plan"] = {"rows": list(plan.rows), "backends": list(plan.backends), "text": plan.describe()}
+        plan = linear_plan(model)  # stored for this machine, or timed on first use: the routes "auto" ran the target's linears by
+        results["cpu_linear_plan"] = {
+            "rows": list(plan.rows), "backends": list(plan.backends), "text": plan.describe(), "method": plan.method,
+            "source": plan.source, "path": plan.path,
+        }  # fmt: skip
     return results
 
 

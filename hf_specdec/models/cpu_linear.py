@@ -18,10 +18,16 @@ CPU, and no library is best everywhere:
   input row while it sits in L1 (up to `SMALL_BATCH_ROWS`). On the EPYC: SmolLM2 forwards of 1,
   2, 4 tokens 51 / 55 / 57 ms against MKL's 63 / 113 / 104; on the Xeon 47 / 56 / 69.
 
-So "auto" (`plan_backends`) times every route once per process over a pass through the model's
-own linears at each row count of `PLAN_ROWS`, and each linear then takes the route measured
-fastest for its row count; more rows than that (prefills) go to torch's BLAS, as in plain
-`generate()`. torch has no public switch for the other routes without lowering fp32 precision,
+So "auto" (`plan_backends`) times every route over passes through a network's own linears (or,
+asked, over whole forwards of the model) at each row count of `PLAN_ROWS`, and each linear then
+takes the route measured fastest for its row count; more rows than that (prefills) go to torch's
+BLAS, as in plain `generate()`. The plan is stored per machine in the cache folder (`plan_key`:
+CPU model, torch threads, torch and numba versions, routes, the linears' shapes; `plan_path`), so
+only the first process with that key times anything; `plan_linears(..., replan=True)`,
+`hf-specdec plan-linears` or $HF_SPECDEC_REPLAN_LINEARS time it again. A plan timed while other
+processes took our cores (`_CpuWatch`) is used by that process only, never stored: on a 2-core
+machine one busy process slows the routes 2-7x and unequally, which is what made "auto" plan
+routes 12-40% slower in some processes. torch has no public switch for the other routes without lowering fp32 precision,
 so while the context is active a module's `forward` calls them on the module's own weight (no
 copy, same memory). Results are fp32 dot products like MKL's, differing only in rounding (a few
 1e-6 relative); the numba kernel computes a row the same way whatever the other rows are.
@@ -33,12 +39,21 @@ to report how much of a speedup is speculation and how much is the GEMM.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
+import dataclasses
 import functools
+import hashlib
+import json
+import os
+import platform
+import tempfile
 import time
 import types
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -56,6 +71,20 @@ PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # so it is bound by memory as a real forward is (a pass over cached weights favours other routes)
 PLAN_BYTES = 256 * 2**20
 PLAN_REPEATS = 3
+# a row count timed while other processes took more than this many cores' worth of CPU from ours
+# (beyond the cores our threads leave free) is timed again, up to PLAN_RETRIES more times
+BUSY_CORES = 0.25
+PLAN_RETRIES = 2
+PLAN_RETRY_SECONDS = 10.0  # at most this long spent timing row counts again, per plan
+# warm-up passes per route, at most: numba's first calls in a process cost 0.1-2 s (loading its
+# compiled kernel, starting its threads), oneDNN's first builds its primitives
+WARM_UP_PASSES = 5
+PER_LINEAR, WHOLE_FORWARD = "per-linear", "whole-forward"  # what a plan's passes timed
+# plans are stored per machine in <cache folder>/PLAN_FOLDER/ (`plan_path`); a non-empty value
+# other than 0 / false / no in REPLAN_ENV makes each process time its plans again (and store them)
+PLAN_FOLDER = "cpu_linear_plans"
+REPLAN_ENV = "HF_SPECDEC_REPLAN_LINEARS"
+PLAN_FORMAT = 1
 
 
 @numba.njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)
@@ -138,10 +167,18 @@ _FORWARDS: dict[str, Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]] = 
 
 @dataclass(frozen=True)
 class BackendPlan:
-    """The route "auto" runs a linear through, by its number of input rows."""
+    """The route "auto" runs a linear through, by its number of input rows (and how that was found)."""
 
     rows: tuple[int, ...]  # ascending row counts that were measured
     backends: tuple[str, ...]  # the fastest route measured at each
+    # the fastest pass of each route at each row count, seconds (a pass: every linear once, or a forward)
+    timings: dict[int, dict[str, float]] = field(default_factory=dict, compare=False)
+    method: str = PER_LINEAR  # PER_LINEAR or WHOLE_FORWARD
+    disturbed: tuple[int, ...] = field(default=(), compare=False)  # row counts timed while others took our cores
+    seconds: float = field(default=0.0, compare=False)  # how long the timing took
+    source: str = field(default="timed", compare=False)  # "timed" in this process, or "stored" (read from `path`)
+    path: str | None = field(default=None, compare=False)  # the file it is stored in, if it is
+    key: dict | None = field(default=None, compare=False, repr=False)  # `plan_key` of the linears it was made for
 
     def backend_for(self, rows: int) -> str:
         """The route measured at the smallest row count >= `rows`; "torch" past the last one."""
@@ -158,82 +195,414 @@ class BackendPlan:
             first = rows + 1
         return "rows " + ", ".join(spans) + ", more: torch"
 
+    def table(self) -> str:
+        """The timings (ms, fastest pass of each route) and the route chosen, one line per row count."""
+        routes = [route for route in ROUTE_ORDER if any(route in by_route for by_route in self.timings.values())]
+        what = "whole forward" if self.method == WHOLE_FORWARD else "pass over all linears"
+        lines = [f"{'rows':>5} " + " ".join(f"{route:>8}" for route in routes) + f"   chosen  (ms per {what})"]
+        for rows, backend in zip(self.rows, self.backends):
+            by_route = self.timings.get(rows, {})
+            cells = " ".join(f"{by_route[route] * 1e3:8.2f}" if route in by_route else f"{'-':>8}" for route in routes)
+            busy = "  (machine busy while timed)" if rows in self.disturbed else ""
+            lines.append(f"{rows:>5} {cells}   {backend}{busy}")
+        return "\n".join(lines)
+
 
 # pass timer: (route, rows, linears) -> seconds for one forward of every linear with `rows` input rows
 PassTimer = Callable[[str, int, Sequence[torch.nn.Linear]], float]
-_PLANS: dict[tuple, BackendPlan] = {}  # per sample of linears' shapes and thread count, once per process
+_PLANS: dict[str, BackendPlan] = {}  # by plan key (`plan_key`, as JSON): loaded or timed once per process
 
 
-def _time_pass(backend: str, rows: int, linears: Sequence[torch.nn.Linear]) -> float:
+def _time_pass(
+    backend: str, rows: int, linears: Sequence[torch.nn.Linear], weights: Sequence[float] | None = None
+) -> float:
+    """Seconds for one call of every linear with `rows` input rows; with `weights`, each linear's
+    time counts that many times (a sample standing for all the linears of a network)."""
     inputs = {n: torch.randn(1, rows, n) for n in {linear.in_features for linear in linears}}
     forward = _FORWARDS[backend]
-    started = time.perf_counter()
-    for linear in linears:
+    if weights is None:
+        started = time.perf_counter()
+        for linear in linears:
+            forward(linear, inputs[linear.in_features])
+        return time.perf_counter() - started
+    total = 0.0
+    for linear, weight in zip(linears, weights):
+        started = time.perf_counter()
         forward(linear, inputs[linear.in_features])
-    return time.perf_counter() - started
+        total += weight * (time.perf_counter() - started)
+    return total
+
+
+def _sample(linears: Sequence[torch.nn.Linear]) -> tuple[list[torch.nn.Linear], list[float] | None]:
+    """About `PLAN_BYTES` of `linears`, every shape among them in proportion to its count (at least
+    one of each: the LM head too), in the model's order, and what each stands for (None: all taken).
+
+    Before, the sample was the first `PLAN_BYTES` in module order, which left the LM head out (it
+    comes last): on SmolLM2 a fifth of a forward's weights, and a shape whose best route differs
+    (on a 2-core Xeon oneDNN from 4 rows, where the decoder layers' linears prefer MKL)."""
+    sizes = [linear.weight.numel() * linear.weight.element_size() for linear in linears]
+    if sum(sizes) <= PLAN_BYTES:
+        return list(linears), None
+    fraction = PLAN_BYTES / sum(sizes)
+    groups: dict[tuple, list[torch.nn.Linear]] = {}
+    for linear in linears:
+        groups.setdefault((linear.in_features, linear.out_features, linear.bias is not None), []).append(linear)
+    taken, weight = set(), {}
+    for members in groups.values():
+        count = max(1, round(len(members) * fraction))
+        taken.update(id(linear) for linear in members[:count])
+        weight.update({id(linear): len(members) / count for linear in members})
+    sample = [linear for linear in linears if id(linear) in taken]
+    return sample, [weight[id(linear)] for linear in sample]
+
+
+def _whole_forward_timer(network: torch.nn.Module, linears: Sequence[torch.nn.Linear]) -> PassTimer:
+    """A pass timer that runs the network's own forward (input_ids of `rows` tokens, no cache) with
+    every one of `linears` on the route: what a decode / verify step costs, attention, norms and the
+    LM head included."""
+    embeddings = network.get_input_embeddings() if hasattr(network, "get_input_embeddings") else None
+    if embeddings is None or not hasattr(embeddings, "num_embeddings"):
+        raise ValueError(
+            f"whole-forward planning needs a model whose forward takes input_ids; {type(network).__name__} "
+            "has no input embeddings (plan its linears one by one instead)"
+        )
+    generator = torch.Generator().manual_seed(0)
+    tokens: dict[int, torch.Tensor] = {}
+
+    def time_forward(route: str, rows: int, _linears: Sequence[torch.nn.Linear]) -> float:
+        if rows not in tokens:
+            tokens[rows] = torch.randint(0, embeddings.num_embeddings, (1, rows), generator=generator)
+        forward = _FORWARDS[route]
+        for linear in linears:
+            linear.forward = types.MethodType(forward, linear)
+        try:
+            started = time.perf_counter()
+            network(input_ids=tokens[rows], use_cache=False)
+            return time.perf_counter() - started
+        finally:
+            for linear in linears:
+                linear.__dict__.pop("forward", None)
+
+    return time_forward
+
+
+class _CpuWatch:
+    """How much CPU other processes took from the cores torch's threads run on, while timing.
+
+    Read from /proc/stat (Linux), for the CPUs this process may run on: their busy time (steal
+    included: a VM's host running someone else) less this process's own CPU time, in cores, beyond
+    the cores our threads leave free. One competing busy process on a 2-core machine makes a
+    2-thread pass 2-7x slower and not alike for every route (MKL more than numba), so a plan timed
+    then is a random one. None where it cannot be told (no /proc/stat, or a window too short to
+    judge at /proc/stat's 10 ms resolution)."""
+
+    MIN_WINDOW_S = 0.2
+
+    def __init__(self) -> None:
+        try:
+            self.cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self.cpus = list(range(os.cpu_count() or 1))
+        self.ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.start = self._read()
+
+    def _read(self) -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as stat:
+                lines = stat.read().splitlines()
+        except OSError:
+            return None
+        wanted, busy = {f"cpu{cpu}" for cpu in self.cpus}, 0
+        for line in lines:
+            fields = line.split()
+            if fields and fields[0] in wanted:
+                # user nice system idle iowait irq softirq steal ...: all but idle and iowait
+                busy += sum(int(value) for value in fields[1:4]) + sum(int(value) for value in fields[6:9])
+        return busy / self.ticks_per_s, time.process_time(), time.perf_counter()
+
+    def others_cores(self) -> float | None:
+        """Cores' worth of CPU others took since the start, beyond the ones we leave free (None: unknown)."""
+        end = self._read()
+        if self.start is None or end is None or end[2] - self.start[2] < self.MIN_WINDOW_S:
+            return None
+        wall = end[2] - self.start[2]
+        others = (end[0] - self.start[0]) - (end[1] - self.start[1])
+        spare = max(0, len(self.cpus) - torch.get_num_threads())
+        return max(0.0, others / wall - spare)
+
+
+ROUTE_ORDER = ("torch", "torch_t", "onednn", "numba")
+
+
+def _routes() -> list[str]:
+    """The routes "auto" chooses among here, in `ROUTE_ORDER`."""
+    return [route for route in ROUTE_ORDER if route != "onednn" or onednn_available()]
 
 
 def plan_backends(
     linears: Sequence[torch.nn.Linear], rows: Sequence[int] = PLAN_ROWS, time_pass: PassTimer = _time_pass,
-    repeats: int = PLAN_REPEATS,
+    repeats: int = PLAN_REPEATS, method: str = PER_LINEAR,
 ) -> BackendPlan:
     """Time torch's BLAS (as x @ weight.T and as weight @ x.T), oneDNN (where torch has it) and
-    the numba kernel (up to `SMALL_BATCH_ROWS` rows) over passes through `linears` at each row
-    count; the fastest of `repeats` passes, taken in a rotating order so that drift hits every
-    route alike, picks the route for that count. The fastest pass, not the median: on a shared
-    machine a disturbance only ever adds time. With the median, a benchmark process on a 2-core
-    AVX2 EPYC planned torch_t for 2 rows, where whole SmolLM2 forwards take 64 ms against numba's 53
-    (its head-alone k=1 verify steps then took 79 ms, against 59 in a process that planned numba).
+    the numba kernel (up to `SMALL_BATCH_ROWS` rows) over passes through `linears` (or whatever
+    `time_pass` times: whole forwards, `_whole_forward_timer`) at each row count; the fastest of
+    `repeats` passes, taken in a rotating order so that drift hits every route alike, picks the
+    route for that count. The fastest pass, not the median: a disturbance only ever adds time.
+
+    A row count during which other processes took our cores (`_CpuWatch`: such a disturbance slows
+    the routes unequally, so no pass of it can be trusted) is timed again, up to `PLAN_RETRIES`
+    times (`PLAN_RETRY_SECONDS` in all); if it stays busy, its row count is listed in `disturbed`
+    (and the plan is not stored), and the row counts after it are timed once each.
     """
-    routes = ["torch", "torch_t", *(["onednn"] if onednn_available() else []), "numba"]
+    routes = _routes()
+    started = time.perf_counter()
+    chosen, timings, disturbed, retried_s = [], {}, [], 0.0
     with torch.no_grad():
-        for route in routes:  # first calls pay one-time costs (numba loading its compiled kernel)
-            time_pass(route, 1, linears)
-        chosen = []
+        for route in routes:  # first calls pay one-time costs (numba loading its kernel, starting its threads)
+            previous = time_pass(route, 1, linears)
+            for _ in range(WARM_UP_PASSES - 1):  # until a pass costs what the one before did
+                latest = time_pass(route, 1, linears)
+                if latest > 0.8 * previous:
+                    break
+                previous = latest
         for count in rows:
             candidates = [r for r in routes if r != "numba" or count <= SMALL_BATCH_ROWS]
-            seconds: dict[str, list[float]] = {route: [] for route in candidates}
-            for repeat in range(repeats):
-                shift = repeat % len(candidates)
-                for route in candidates[shift:] + candidates[:shift]:
-                    seconds[route].append(time_pass(route, count, linears))
-            chosen.append(min(candidates, key=lambda route: min(seconds[route])))
-    return BackendPlan(rows=tuple(rows), backends=tuple(chosen))
+            best, best_busy = None, None
+            for attempt in range(1 + PLAN_RETRIES):
+                if attempt and (disturbed or retried_s > PLAN_RETRY_SECONDS):
+                    break  # a machine that stayed busy: no more waiting for it
+                attempt_started = time.perf_counter()
+                watch = _CpuWatch()
+                seconds: dict[str, list[float]] = {route: [] for route in candidates}
+                for repeat in range(repeats):
+                    shift = repeat % len(candidates)
+                    for route in candidates[shift:] + candidates[:shift]:
+                        seconds[route].append(time_pass(route, count, linears))
+                busy = watch.others_cores()
+                if attempt:
+                    retried_s += time.perf_counter() - attempt_started
+                if best is None or (busy is not None and best_busy is not None and busy < best_busy):
+                    best, best_busy = seconds, busy
+                if busy is None or busy <= BUSY_CORES:
+                    break
+            if best_busy is not None and best_busy > BUSY_CORES:
+                disturbed.append(count)
+            timings[count] = {route: min(values) for route, values in best.items()}
+            chosen.append(min(candidates, key=lambda route: timings[count][route]))
+    return BackendPlan(
+        rows=tuple(rows), backends=tuple(chosen), timings=timings, method=method, disturbed=tuple(disturbed),
+        seconds=time.perf_counter() - started,
+    )  # fmt: skip
 
 
-def _plan_for(linears: Sequence[torch.nn.Linear]) -> BackendPlan:
-    """The plan for these linears, measured on the first `PLAN_BYTES` of them, once per process."""
-    sample, size = [], 0
-    for linear in linears:
-        if sample and size >= PLAN_BYTES:
-            break
-        sample.append(linear)
-        size += linear.weight.numel() * linear.weight.element_size()
-    key = (tuple((m.out_features, m.in_features, m.bias is not None) for m in sample), torch.get_num_threads())
-    if key not in _PLANS:
-        _PLANS[key] = plan_backends(sample)
-    return _PLANS[key]
+# --- plans stored per machine ---------------------------------------------------------------------
+@functools.cache
+def _cpu_name() -> str:
+    """The CPU model, e.g. "Intel(R) Xeon(R) Processor (family 6, model 143, stepping 8), 2 CPUs"."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if not line.strip() and fields:
+                    break  # the first processor's block is enough
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    ids = ", ".join(f"{field} {fields[field]}" for field in ("cpu family", "model", "stepping") if field in fields)
+    return f"{name}{f' ({ids})' if ids else ''}, {os.cpu_count()} CPUs"
+
+
+def plan_key(linears: Sequence[torch.nn.Linear]) -> dict:
+    """What a plan depends on: the machine (CPU model, torch threads), the software (torch, numba),
+    the routes it chose among and the linears (in, out, dtype, how many of each)."""
+    shapes = collections.Counter(
+        (linear.in_features, linear.out_features, str(linear.weight.dtype).removeprefix("torch.")) for linear in linears
+    )
+    return {
+        "format": PLAN_FORMAT,
+        "cpu": _cpu_name(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "numba": numba.__version__,
+        "routes": _routes(),
+        "small_batch_rows": SMALL_BATCH_ROWS,
+        "linears": sorted([in_features, out_features, dtype, count] for (in_features, out_features, dtype), count in shapes.items()),
+    }  # fmt: skip
+
+
+def plan_path(key: dict) -> Path:
+    """The file a plan of `key` is stored in: <cache folder>/cpu_linear_plans/<hash of key>.json, the
+    cache folder being `real_models.cache_dir()` ($HF_SPECDEC_CACHE, else ~/.cache/hf_specdec)."""
+    from .real_models import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / PLAN_FOLDER / f"{digest}.json"
+
+
+def _load_plan(key: dict) -> BackendPlan | None:
+    """The stored plan of `key`; None when there is none, or (with a warning) when it cannot be read."""
+    path = plan_path(key)
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:
+            raise ValueError("it was stored for another key")
+        stored = data["plan"]
+        rows = tuple(int(count) for count in stored["rows"])
+        backends = tuple(str(backend) for backend in stored["backends"])
+        if not rows or len(rows) != len(backends) or list(rows) != sorted(set(rows)) or rows[0] < 1:
+            raise ValueError(f"rows {list(rows)} and routes {list(backends)} do not form a plan")
+        unknown = set(backends) - set(key["routes"])
+        if unknown:
+            raise ValueError(f"routes {sorted(unknown)} are not among {key['routes']}")
+        timings = {
+            int(count): {str(route): float(ms) / 1e3 for route, ms in by_route.items()}
+            for count, by_route in stored.get("timings_ms", {}).items()
+        }
+        method = stored.get("method", PER_LINEAR)
+        seconds = float(stored.get("planning_s", 0.0))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        warnings.warn(
+            f"ignoring the stored CPU linear plan {path}, which cannot be used ({error}); timing the routes again",
+            stacklevel=3,
+        )
+        return None
+    return BackendPlan(rows, backends, timings, method, seconds=seconds, source="stored", path=str(path), key=key)
+
+
+def _store_plan(key: dict, plan: BackendPlan) -> str | None:
+    """Writes `plan` to `plan_path(key)` through a temporary file and a rename, so that a reader never
+    sees half a file whatever other processes write at once; returns the path (None, with a warning,
+    where the cache folder cannot be written)."""
+    path = plan_path(key)
+    try:
+        load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    except (AttributeError, OSError):
+        load = None
+    data = {
+        "key": key,
+        "plan": {
+            "rows": list(plan.rows),
+            "backends": list(plan.backends),
+            "text": plan.describe(),
+            "method": plan.method,
+            "timings_ms": {
+                str(count): {route: round(s * 1e3, 4) for route, s in by_route.items()}
+                for count, by_route in plan.timings.items()
+            },
+            "planning_s": round(plan.seconds, 3),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "load_average": load,
+        },
+    }
+    temporary = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+        with os.fdopen(handle, "w") as file:
+            json.dump(data, file, indent=1)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+        temporary = None
+    except OSError as error:
+        warnings.warn(f"could not store the CPU linear plan in {path} ({error}); it holds for this process only", stacklevel=3)
+        return None
+    finally:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+    return str(path)
+
+
+def _replan_from_env() -> bool:
+    return os.environ.get(REPLAN_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _plan_for(
+    network: torch.nn.Module, linears: Sequence[torch.nn.Linear], *, replan: bool = False,
+    rows: Sequence[int] | None = None, whole_forward: bool = False, repeats: int = PLAN_REPEATS,
+) -> BackendPlan:
+    """The plan for `network`'s fp32 CPU `linears`: from this process's memory, else from the stored
+    file of its key, else timed (over a sample of the linears, or whole forwards of `network`) and
+    stored. `replan` (or $HF_SPECDEC_REPLAN_LINEARS on a process's first use) times it again;
+    `rows` other than the stored plan's also do."""
+    key = plan_key(linears)
+    memo = json.dumps(key, sort_keys=True)
+    if not replan:
+        plan = _PLANS.get(memo)
+        if plan is None and not _replan_from_env():
+            plan = _load_plan(key)
+        if plan is not None and (rows is None or plan.rows == tuple(rows)):
+            _PLANS[memo] = plan
+            return plan
+    rows = tuple(rows or PLAN_ROWS)
+    if whole_forward:
+        plan = plan_backends(linears, rows, _whole_forward_timer(network, linears), repeats, method=WHOLE_FORWARD)
+    else:
+        sample, weights = _sample(linears)
+        timer = _time_pass if weights is None else functools.partial(_time_pass, weights=weights)
+        plan = plan_backends(sample, rows, timer, repeats)
+    if plan.disturbed:
+        warnings.warn(
+            f"other processes took this machine's cores while the CPU linear routes were timed at {list(plan.disturbed)} "
+            f"rows: the plan ({plan.describe()}) holds for this process only and is not stored; time it again on a "
+            "quiet machine (hf-specdec plan-linears)",
+            stacklevel=3,
+        )
+        plan = dataclasses.replace(plan, key=key)
+    else:
+        plan = dataclasses.replace(plan, key=key, path=_store_plan(key, plan))
+    _PLANS[memo] = plan
+    return plan
+
+
+def plan_linears(
+    networks: torch.nn.Module | Iterable[torch.nn.Module], *, replan: bool = False, rows: Sequence[int] | None = None,
+    whole_forward: bool = False, repeats: int = PLAN_REPEATS,
+) -> list[BackendPlan | None]:
+    """The "auto" plan of each network's fp32 CPU linears (None for one that has none), the one
+    `fast_cpu_linears` and speculative generate() then use: the stored plan of this machine where
+    there is one (milliseconds), else timed and stored. `replan=True` times it again and replaces
+    the stored one; `whole_forward=True` times whole forwards of each network (input_ids of 1..N
+    tokens, every linear on one route) instead of passes over its linears, ~2x the time. `rows`:
+    the row counts to time (default `PLAN_ROWS`)."""
+    networks = [networks] if isinstance(networks, torch.nn.Module) else list(networks)
+    plans = []
+    with torch.no_grad(), _numba_threads_like_torch():
+        for network, linears in _linears_by_network(networks):
+            plans.append(
+                _plan_for(network, linears, replan=replan, rows=rows, whole_forward=whole_forward, repeats=repeats)
+                if linears else None
+            )  # fmt: skip
+    return plans
 
 
 def linear_plan(*modules: torch.nn.Module) -> BackendPlan | None:
-    """The plan `fast_cpu_linears(*modules)` ("auto") runs their fp32 CPU linears by (measured on
-    first use); None when they have none."""
-    linears = list(_fp32_cpu_linears(modules))
-    if not linears:
-        return None
-    with _numba_threads_like_torch():
-        return _plan_for(linears)
+    """The plan `fast_cpu_linears(*modules)` ("auto") runs the first of them with fp32 CPU linears by
+    (stored, or timed on first use); None when they have none."""
+    return next((plan for plan in plan_linears(modules) if plan is not None), None)
 
 
 @contextlib.contextmanager
 def _numba_threads_like_torch() -> Iterator[None]:
-    """numba's kernel threads follow `torch.get_num_threads()` inside the block."""
-    numba_threads = numba.get_num_threads()
+    """numba's kernel threads follow `torch.get_num_threads()` inside the block, and torch keeps its
+    count: numba's OpenMP pool, launched on its first use in a process, resets OpenMP's thread count
+    to NUMBA_NUM_THREADS, so torch set to 1 thread ran (and planned, and keyed its plan) at 2."""
+    threads = torch.get_num_threads()
+    numba_threads = numba.get_num_threads()  # launches numba's pool on first use
     try:
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         yield
     finally:
         numba.set_num_threads(numba_threads)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def _planned_forward(self: torch.nn.Linear, routes: tuple, x: torch.Tensor) -> torch.Tensor:
@@ -265,6 +634,18 @@ def resolve_backend(backend: str, modules: Iterable[torch.nn.Module]) -> str:
     if backend != "auto":
         return backend
     return "auto" if next(_fp32_cpu_linears(modules), None) is not None else "torch"
+
+
+def _linears_by_network(modules: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, list[torch.nn.Linear]]]:
+    """(module, its fp32 CPU linears not already in an earlier one) for each of `modules`: each
+    network (the target, a drafter) gets a plan of its own, stored under its own linears' shapes."""
+    seen: set[int] = set()
+    networks = []
+    for module in modules:
+        linears = [linear for linear in _fp32_cpu_linears([module]) if id(linear) not in seen]
+        seen.update(id(linear) for linear in linears)
+        networks.append((module, linears))
+    return networks
 
 
 def _fp32_cpu_linears(modules: Iterable[torch.nn.Module]) -> Iterator[torch.nn.Linear]:
@@ -303,15 +684,17 @@ def fast_cpu_linears(*modules: torch.nn.Module, backend: str = "auto") -> Iterat
     if backend not in FAST_BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; allowed: {', '.join(FAST_BACKENDS)}")
     resolve_backend(backend, modules)  # raises where oneDNN is demanded but missing
-    patched = list(_fp32_cpu_linears(modules))
+    networks = _linears_by_network(modules)
+    patched = [linear for _, linears in networks for linear in linears]
     with _numba_threads_like_torch():
         try:
-            routes = _route_table(_plan_for(patched)) if backend == "auto" and patched else None
-            for linear in patched:
-                if routes is None:
-                    linear.forward = types.MethodType(_FORWARDS[backend], linear)
-                else:
-                    linear.forward = functools.partial(_planned_forward, linear, routes)
+            for network, linears in networks:
+                routes = _route_table(_plan_for(network, linears)) if backend == "auto" and linears else None
+                for linear in linears:
+                    if routes is None:
+                        linear.forward = types.MethodType(_FORWARDS[backend], linear)
+                    else:
+                        linear.forward = functools.partial(_planned_forward, linear, routes)
             yield
         finally:
             for linear in patched:
