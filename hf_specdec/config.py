@@ -50,7 +50,8 @@ class SpeculativeConfig:
         max_speculative_tokens: the largest k "auto" may pick (1..32, default 8); only with "auto".
         cpu_linear_backend: how the target's and drafter's fp32 CPU linears run while speculating:
             "auto" (default: per input row count, the fastest of torch's BLAS (asked two ways),
-            oneDNN and our numba kernel, measured once per process on the model's own linears),
+            oneDNN and our numba kernel, timed once per machine on the model's own linears and stored:
+            `hf-specdec plan-linears` re-times it),
             "numba" (few-row inputs in our numba kernel, more through oneDNN), "onednn" (an error
             where torch has none) or "torch" (torch's default BLAS). No effect on GPU or other dtypes; see
             `cpu_linear.py`.
