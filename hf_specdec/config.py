@@ -1,9 +1,10 @@
 """`SpeculativeConfig`: the validated description of how to speculate.
 
 Keys follow vLLM's `--speculative-config` (method, model, num_speculative_tokens,
-prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) plus a few of our own
-(prompt_lookup_num_tokens, seed, block_size, num_kv_blocks, early_exit_layer,
-max_speculative_tokens, cpu_linear_backend).
+prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, the suffix_* options of its suffix
+decoding, rejection_sample_method) plus a few of our own (prompt_lookup_num_tokens, seed,
+block_size, num_kv_blocks, early_exit_layer, max_speculative_tokens, cpu_linear_backend,
+suffix_first, suffix_cache).
 Every invalid value raises `ValueError` naming the field and what is allowed.
 """
 
@@ -14,12 +15,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model", "layer_skip")
+METHODS = ("ngram", "suffix", "eagle", "eagle3", "mtp", "draft_model", "layer_skip")
 METHODS_NEEDING_MODEL = ("eagle", "eagle3", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 AUTO = "auto"
 DEFAULT_MAX_AUTO_TOKENS = 8
 CPU_LINEAR_BACKENDS = ("auto", "numba", "onednn", "torch")
+REJECTION_SAMPLE_METHODS = ("token", "block")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,16 @@ class SpeculativeConfig:
         early_exit_layer: N for method="layer_skip" (required there, nowhere else): draft with the
             target's first N layers; 1..num_hidden_layers-1, the upper bound checked against the model.
         max_speculative_tokens: the largest k "auto" may pick (1..32, default 8); only with "auto".
+        suffix_first: with a method other than "ngram" / "suffix", a suffix lookup drafts first (as the
+            n-gram stage of prompt_lookup_*): rows whose history matches take its drafts.
+        suffix_max_tree_depth: the longest suffix ("suffix" / suffix_first) matched and drafted from (>= 1).
+        suffix_max_cached_requests: how many earlier outputs the global suffix cache keeps (FIFO; 0: none).
+        suffix_max_spec_factor: a draft is at most this many times the matched suffix's length (> 0).
+        suffix_min_token_prob: continuations less frequent than this (0..1) end the draft.
+        suffix_cache: the global cache of earlier outputs to use (a `SuffixCache`); None: the model's own.
+        rejection_sample_method: "token" (default: each draft token accepted on its own) or "block"
+            (block verification, Sun et al. 2024: whole draft blocks, a higher expected accepted length;
+            sampled rows only, greedy rows accept the same either way).
         cpu_linear_backend: how the target's and drafter's fp32 CPU linears run while speculating:
             "auto" (default: per input row count, the fastest of torch's BLAS (asked two ways),
             oneDNN and our numba kernel, timed once per machine on the model's own linears and stored:
@@ -70,6 +82,13 @@ class SpeculativeConfig:
     early_exit_layer: int | None = None
     max_speculative_tokens: int | None = None
     cpu_linear_backend: str = "auto"
+    suffix_first: bool = False
+    suffix_max_tree_depth: int = 24
+    suffix_max_cached_requests: int = 10000
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
+    suffix_cache: Any = None
+    rejection_sample_method: str = "token"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -92,6 +111,35 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.cpu_linear_backend={self.cpu_linear_backend!r} is unknown; "
                 f"allowed: {', '.join(CPU_LINEAR_BACKENDS)}"
+            )
+        self._check_suffix()
+        if self.rejection_sample_method not in REJECTION_SAMPLE_METHODS:
+            raise ValueError(
+                f"speculative_config.rejection_sample_method={self.rejection_sample_method!r} is unknown; "
+                f"allowed: {', '.join(REJECTION_SAMPLE_METHODS)}"
+            )
+
+    def _check_suffix(self) -> None:
+        if not isinstance(self.suffix_first, bool):
+            raise ValueError(f"speculative_config.suffix_first={self.suffix_first!r} is invalid; allowed: true or false")
+        if self.suffix_first and self.method in ("ngram", "suffix"):
+            raise ValueError(
+                f"speculative_config.suffix_first puts suffix drafts before another method's drafter; "
+                f"method={self.method!r} has none (allowed with: {', '.join(m for m in METHODS if m not in ('ngram', 'suffix'))})"
+            )
+        if self.method == "suffix" and self.model is not None:
+            raise ValueError("speculative_config.model must be None for method='suffix' (it drafts from token history)")
+        _check_optional_int("suffix_max_tree_depth", self.suffix_max_tree_depth, minimum=1)
+        _check_optional_int("suffix_max_cached_requests", self.suffix_max_cached_requests, minimum=0)
+        factor, probability = self.suffix_max_spec_factor, self.suffix_min_token_prob
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(
+                f"speculative_config.suffix_max_spec_factor={factor!r} is invalid; allowed: a number > 0 "
+                "(a draft may be up to this many times the matched suffix's length)"
+            )
+        if isinstance(probability, bool) or not isinstance(probability, (int, float)) or not 0 <= probability <= 1:
+            raise ValueError(
+                f"speculative_config.suffix_min_token_prob={probability!r} is invalid; allowed: a number from 0 to 1"
             )
 
     def _check_num_speculative_tokens(self) -> None:
@@ -209,7 +257,7 @@ class SpeculativeConfig:
         return cls(**merged)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), (int, str, type(None)))}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), (int, float, str, type(None)))}
 
 
 def _is_int_in(value: Any, low: int, high: int) -> bool:
