@@ -33,7 +33,13 @@ from ..config import SpeculativeConfig
 from ..drafters import Proposer, ProposeRequest, build_proposer
 from ..models.cpu_linear import fast_cpu_linears, resolve_backend
 from ..models.feature_capture import TargetFeatureCapture, capture_for_proposer
-from ..sampling.logits_processing import StopChecker, check_supported_processors, process_logits
+from ..sampling.grammar import cut_forbidden_drafts, with_speculative_grammars
+from ..sampling.logits_processing import (
+    StopChecker,
+    accept_emitted,
+    check_supported_processors,
+    process_logits,
+)
 from ..sampling.metadata import SpecDecodeMetadata
 from ..sampling.rejection_sampler import draw_random, rejection_sample
 from .auto_k import AutoKController
@@ -109,6 +115,7 @@ def generate(
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("streamer is supported at batch size 1 only (as transformers' streamers)")
 
+    logits_processor = with_speculative_grammars(logits_processor, input_ids.shape[0], input_ids.shape[1])
     stop_checker = StopChecker(stopping_criteria)
     state = _initial_state(input_ids, model_kwargs.get("attention_mask"), generation_config, stop_checker)
     sampling = _sampling_state(generation_config, config, input_ids.shape[0], model.device)
@@ -215,6 +222,8 @@ def speculative_step(
             target_features=None if features is None else features.pending,
         )
     )
+    if proposal.draft_probs is None:  # a grammar-forbidden deterministic draft cannot pass: cut it here
+        proposal.draft_token_ids = cut_forbidden_drafts(logits_processor, rows, proposal.draft_token_ids)
     spec = SpecDecodeMetadata.from_drafts(proposal.draft_token_ids, device=model.device)
     num_draft = np.array(spec.num_draft_tokens, dtype=np.int64)
     metrics.draft_seconds += time.perf_counter() - clock
@@ -270,6 +279,7 @@ def speculative_step(
         state.seq_lens[row] = start + kept
         window = slice(int(first_logit[i]), int(first_logit[i]) + kept)
         emitted.append((int(row), output_tokens[i, :kept], logits[window], processed[window]))
+        accept_emitted(logits_processor, int(row), output_tokens[i, :kept])
         if stopped[i]:
             state.finished[row] = True
             cache.free_row(int(row))

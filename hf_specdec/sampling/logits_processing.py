@@ -19,6 +19,8 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation import logits_process, stopping_criteria
 
+from .grammar import SpeculativeGrammar
+
 # Processors whose output does not depend on input_ids: one call covers every position.
 _POSITION_FREE = tuple(
     getattr(logits_process, name)
@@ -49,9 +51,18 @@ _UNSUPPORTED = {
 }
 
 
+# Grammar processors of other libraries keep per-row parser state that a rejected draft would
+# have to be rolled back out of; xgrammar's is replaced by `grammar.SpeculativeGrammar`
+_UNSUPPORTED_LIBRARIES = {
+    "outlines": "outlines keeps per-row parser state that speculation cannot roll back; use xgrammar's processor",
+    "llguidance": "llguidance keeps per-row parser state that speculation cannot roll back; use xgrammar's processor",
+}
+
+
 def check_supported_processors(logits_processor: LogitsProcessorList) -> None:
     for processor in logits_processor:
-        reason = _UNSUPPORTED.get(type(processor).__name__)
+        library = type(processor).__module__.split(".", 1)[0]
+        reason = _UNSUPPORTED.get(type(processor).__name__) or _UNSUPPORTED_LIBRARIES.get(library)
         if reason:
             raise ValueError(
                 f"{type(processor).__name__} is not supported with speculative decoding: {reason}. "
@@ -97,6 +108,9 @@ def process_logits(
     """Processed scores for each row of `logits`; row i's prefix is `token_buffer[buffer_rows[i], :prefix_lens[i]]`."""
     scores = logits
     for processor in logits_processor:
+        if isinstance(processor, SpeculativeGrammar):  # walks each row's drafts through its matcher
+            scores = processor.process(scores, token_buffer, buffer_rows, prefix_lens)
+            continue
         if isinstance(processor, _POSITION_FREE):
             scores = processor(token_buffer[:1].to(scores.device), scores)
             continue
@@ -110,6 +124,13 @@ def process_logits(
         _by_prefix_length(token_buffer, buffer_rows, prefix_lens, apply)
         scores = processed
     return scores
+
+
+def accept_emitted(logits_processor: LogitsProcessorList, row: int, tokens: torch.Tensor) -> None:
+    """Tell the processors that keep per-row state (grammars) what the row emitted this step."""
+    for processor in logits_processor:
+        if isinstance(processor, SpeculativeGrammar):
+            processor.accept_emitted(row, tokens)
 
 
 class StopChecker:
