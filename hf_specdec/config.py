@@ -29,7 +29,7 @@ class SpeculativeConfig:
     """How `generate()` speculates.
 
     Args:
-        method: one of "ngram", "eagle", "eagle3", "mtp", "draft_model", "layer_skip".
+        method: one of "ngram", "suffix", "eagle", "eagle3", "mtp", "draft_model", "layer_skip".
         model: the drafter (folder or Hub id) for methods that need one.
         num_speculative_tokens: k, draft tokens proposed per row and step (1..32), or "auto": each
             step picks k in 0..max_speculative_tokens from the measured acceptance and step costs
@@ -51,12 +51,22 @@ class SpeculativeConfig:
             target's first N layers; 1..num_hidden_layers-1, the upper bound checked against the model.
         max_speculative_tokens: the largest k "auto" may pick (1..32, default 8); only with "auto".
         suffix_first: with a method other than "ngram" / "suffix", a suffix lookup drafts first (as the
-            n-gram stage of prompt_lookup_*): rows whose history matches take its drafts.
-        suffix_max_tree_depth: the longest suffix ("suffix" / suffix_first) matched and drafted from (>= 1).
-        suffix_max_cached_requests: how many earlier outputs the global suffix cache keeps (FIFO; 0: none).
-        suffix_max_spec_factor: a draft is at most this many times the matched suffix's length (> 0).
-        suffix_min_token_prob: continuations less frequent than this (0..1) end the draft.
-        suffix_cache: the global cache of earlier outputs to use (a `SuffixCache`); None: the model's own.
+            n-gram stage of prompt_lookup_*, and before it when both are given): rows whose history
+            matches take its drafts (up to the loop's k: num_speculative_tokens, or
+            prompt_lookup_num_tokens where longer), the others get the method's drafter.
+        suffix_max_tree_depth: ("suffix" / suffix_first) the suffix tries hold every substring of at
+            most this many tokens: a matched suffix of m tokens drafts at most this - m (>= 1).
+        suffix_max_cached_requests: how many earlier outputs the model's own global suffix cache
+            keeps, the oldest evicted first (0: no global cache). A `suffix_cache` passed in keeps
+            its own `max_cached_requests` instead.
+        suffix_max_spec_factor: a draft is at most this many times the matched suffix's length (a finite
+            number > 0).
+        suffix_min_token_prob: the draft ends before the token at which the product of the
+            continuations' empirical probabilities (count / all continuations of the suffix) falls
+            below this (0..1; 0: never).
+        suffix_cache: the global cache of earlier outputs to use (a `hf_specdec.drafters.SuffixCache`,
+            shareable between models, calls and threads; warm it with `add_outputs`); None: the
+            target model's own (kept as its attribute `hf_specdec_suffix_cache`).
         rejection_sample_method: "token" (default: each draft token accepted on its own) or "block"
             (block verification, Sun et al. 2024: whole draft blocks, a higher expected accepted length;
             sampled rows only, greedy rows accept the same either way).
@@ -129,18 +139,33 @@ class SpeculativeConfig:
             )
         if self.method == "suffix" and self.model is not None:
             raise ValueError("speculative_config.model must be None for method='suffix' (it drafts from token history)")
-        _check_optional_int("suffix_max_tree_depth", self.suffix_max_tree_depth, minimum=1)
-        _check_optional_int("suffix_max_cached_requests", self.suffix_max_cached_requests, minimum=0)
+        for name, minimum in (("suffix_max_tree_depth", 1), ("suffix_max_cached_requests", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"speculative_config.{name}={value!r} is invalid; allowed: an integer >= {minimum}")
         factor, probability = self.suffix_max_spec_factor, self.suffix_min_token_prob
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
             raise ValueError(
-                f"speculative_config.suffix_max_spec_factor={factor!r} is invalid; allowed: a number > 0 "
+                f"speculative_config.suffix_max_spec_factor={factor!r} is invalid; allowed: a finite number > 0 "
                 "(a draft may be up to this many times the matched suffix's length)"
             )
         if isinstance(probability, bool) or not isinstance(probability, (int, float)) or not 0 <= probability <= 1:
             raise ValueError(
                 f"speculative_config.suffix_min_token_prob={probability!r} is invalid; allowed: a number from 0 to 1"
             )
+        if self.suffix_cache is not None:
+            from .drafters.suffix import SuffixCache  # here: the drafters import this module
+
+            if not isinstance(self.suffix_cache, SuffixCache):
+                raise ValueError(
+                    f"speculative_config.suffix_cache={type(self.suffix_cache).__name__} is invalid; "
+                    "allowed: None or a hf_specdec.drafters.SuffixCache"
+                )
+            if self.method != "suffix" and not self.suffix_first:
+                raise ValueError(
+                    f"speculative_config.suffix_cache is only used by method='suffix' or suffix_first=True, "
+                    f"not method={self.method!r}"
+                )
 
     def _check_num_speculative_tokens(self) -> None:
         k, k_max = self.num_speculative_tokens, self.max_speculative_tokens

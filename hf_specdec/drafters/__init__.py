@@ -13,17 +13,21 @@ from .draft_model import DraftModelProposer, check_draft_compatible, load_draft_
 from .drafting import DraftSampling
 from .layer_skip import LayerSkipProposer
 from .ngram import NgramProposer
-from .ngram_first import NgramFirstProposer
+from .ngram_first import LookupFirstProposer, NgramFirstProposer
+from .suffix import SuffixCache, SuffixProposer
 
 __all__ = [
     "DraftModelProposer",
     "DraftProposal",
     "DraftSampling",
     "LayerSkipProposer",
+    "LookupFirstProposer",
     "NgramFirstProposer",
     "NgramProposer",
     "ProposeRequest",
     "Proposer",
+    "SuffixCache",
+    "SuffixProposer",
     "build_proposer",
 ]
 
@@ -44,6 +48,11 @@ def build_proposer(
     """
     if config.method == "ngram":
         return NgramProposer(config.max_draft_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.suffix_first:  # the suffix lookup, then whatever the rest of the config builds
+        lookup = SuffixProposer.from_config(config, target_model)
+        rest = dataclasses.replace(config, suffix_first=False, suffix_cache=None)
+        drafter = build_proposer(rest, target_model, generation_config, logits_processor, target_cache)
+        return LookupFirstProposer(lookup, drafter)
     if config.ngram_first:
         lookup = NgramProposer(
             config.prompt_lookup_num_tokens or config.max_draft_tokens, config.prompt_lookup_min, config.prompt_lookup_max
@@ -51,6 +60,8 @@ def build_proposer(
         alone = dataclasses.replace(config, prompt_lookup_min=None, prompt_lookup_max=None, prompt_lookup_num_tokens=None)
         drafter = build_proposer(alone, target_model, generation_config, logits_processor, target_cache)
         return NgramFirstProposer(lookup, drafter)
+    if config.method == "suffix":
+        return SuffixProposer.from_config(config, target_model)
     if config.method in ("draft_model", "layer_skip"):
         sampling = DraftSampling.from_generate(generation_config, logits_processor, config)
         if config.method == "layer_skip":
@@ -89,5 +100,5 @@ def build_proposer(
         return EagleProposer.from_config(config, target_model, max_length=max_length)
     raise NotImplementedError(
         f"speculative_config.method={config.method!r} is not implemented yet; "
-        "available: 'ngram', 'draft_model', 'layer_skip', 'mtp', 'eagle', 'eagle3'"
+        "available: 'ngram', 'suffix', 'draft_model', 'layer_skip', 'mtp', 'eagle', 'eagle3'"
     )

@@ -1,4 +1,5 @@
-"""An n-gram lookup first, a model drafter for the rest (`prompt_lookup_max` with a non-ngram method).
+"""A lookup first, a model drafter for the rest: the n-gram lookup (`prompt_lookup_max` with a
+non-ngram method) or the suffix lookup (`suffix_first`, `suffix.py`), through the same class.
 
 Rows whose context has a match take the n-gram drafter's tokens: free to make, and where the
 output repeats its context (code, edits, lists, a small model looping) long runs of them are
@@ -22,18 +23,19 @@ from .base import DraftProposal, Proposer, ProposeRequest
 from .ngram import NgramProposer
 
 
-class NgramFirstProposer:
-    """`ngram`'s drafts where it finds a match, `drafter`'s elsewhere."""
+class LookupFirstProposer:
+    """`lookup`'s drafts where it finds a match, `drafter`'s elsewhere. `lookup` drafts fixed tokens
+    (n-gram, suffix); it sees every row every step (so a stateful lookup stays up to date)."""
 
-    def __init__(self, ngram: NgramProposer, drafter: Proposer):
-        self.ngram = ngram
+    def __init__(self, lookup: Proposer, drafter: Proposer):
+        self.lookup = lookup
         self.drafter = drafter
         layers = getattr(drafter, "target_feature_layers", None)
         if layers:  # the loop captures features only for drafters that declare them
             self.target_feature_layers = layers
 
     def propose(self, request: ProposeRequest) -> DraftProposal:
-        lookup = self.ngram.propose(request).draft_token_ids
+        lookup = self.lookup.propose(request).draft_token_ids
         matched = [len(tokens) > 0 for tokens in lookup]
         rest = dataclasses.replace(
             request, max_draft_tokens=[0 if m else n for m, n in zip(matched, request.max_draft_tokens)]
@@ -43,8 +45,19 @@ class NgramFirstProposer:
         return DraftProposal(draft_token_ids=drafts, draft_probs=_with_one_hot_rows(modelled, drafts, matched))
 
     def release(self, rows: list[int]) -> None:
-        self.ngram.release(rows)
+        self.lookup.release(rows)
         self.drafter.release(rows)
+
+
+class NgramFirstProposer(LookupFirstProposer):
+    """`ngram`'s drafts where it finds a match, `drafter`'s elsewhere."""
+
+    def __init__(self, ngram: NgramProposer, drafter: Proposer):
+        super().__init__(ngram, drafter)
+
+    @property
+    def ngram(self) -> NgramProposer:
+        return self.lookup
 
 
 def _with_one_hot_rows(modelled: DraftProposal, drafts, matched: list[bool]) -> torch.Tensor | None:

@@ -258,7 +258,7 @@ def speculative_step(
     draws = None if all(g is None for g in generators) else draw_random(generators, spec, logits.shape[-1], logits.device)
     output_tokens, num_accepted = rejection_sample(
         spec, processed, sampling.is_greedy[torch.from_numpy(rows).to(model.device)], draws=draws,
-        draft_probs=proposal.draft_probs,
+        draft_probs=proposal.draft_probs, method=config.rejection_sample_method,
     )
     metrics.sampler_seconds += time.perf_counter() - clock
 
@@ -385,6 +385,12 @@ def _sampling_state(
     generation_config: GenerationConfig, config: SpeculativeConfig, batch: int, device: torch.device
 ) -> SamplingState:
     if not generation_config.do_sample:
+        if config.rejection_sample_method == "block":  # not ignored silently: it would change nothing
+            raise ValueError(
+                "speculative_config.rejection_sample_method='block' needs do_sample=True: it changes how sampled "
+                "rows accept drafts, and greedy rows accept the longest prefix equal to the argmax either way; "
+                "allowed with do_sample=False: 'token'"
+            )
         return SamplingState(is_greedy=torch.ones(batch, dtype=torch.bool, device=device), generators=[None] * batch)
     seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
     generators = [torch.Generator(device=device).manual_seed(seed + row) for row in range(batch)]

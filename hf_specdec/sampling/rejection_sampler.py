@@ -17,6 +17,11 @@ GPU kernels can be checked against this reference on the same draws and seeded r
 (`hf_specdec.kernels.rejection`), CPU tensors to `rejection_sample_reference` below; the
 environment variable `HF_SPECDEC_REJECTION_BACKEND` overrides the choice. Both read the target
 probabilities from `target_probabilities`, so given the same draws they emit the same tokens.
+
+`method="block"` (`speculative_config.rejection_sample_method`) runs block verification instead
+(`block_verification.py`: Sun et al. 2024, Algorithm 2; Triton kernels in
+`hf_specdec.kernels.block_verification`), on the same draws and the same backend choice. It
+changes sampled rows only: greedy rows accept the longest prefix equal to the argmax either way.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import os
 
 import torch
 
+from ..config import REJECTION_SAMPLE_METHODS
+from .block_verification import block_verify_reference
 from .metadata import SpecDecodeMetadata
 from .rejection_reference import (
     NOISE_FLOOR,
@@ -39,7 +46,9 @@ from .rejection_reference import (
 __all__ = [
     "NOISE_FLOOR",
     "PLACEHOLDER_TOKEN_ID",
+    "REJECTION_SAMPLE_METHODS",
     "RandomDraws",
+    "block_verify_reference",
     "draw_random",
     "rejection_backend",
     "rejection_sample",
@@ -74,12 +83,24 @@ def rejection_sample(
     is_greedy: torch.Tensor,
     draws: RandomDraws | None = None,
     draft_probs: torch.Tensor | None = None,
+    method: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept / reject every row's drafts on the backend `rejection_backend` picks.
 
-    Arguments and results are those of `rejection_sample_reference`.
+    `method`: "token" (each draft on its own, `rejection_sample_reference`) or "block" (block
+    verification, `block_verify_reference`; greedy rows as with "token"). The other arguments and
+    the results are those of `rejection_sample_reference`.
     """
-    if rejection_backend(logits.device) == "triton":
+    if method not in REJECTION_SAMPLE_METHODS:
+        raise ValueError(f"rejection_sample method={method!r} is unknown; allowed: {', '.join(REJECTION_SAMPLE_METHODS)}")
+    kernels = rejection_backend(logits.device) == "triton"
+    if method == "block":
+        if kernels:
+            from hf_specdec.kernels.block_verification import block_verify_triton  # triton is optional
+
+            return block_verify_triton(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs)
+        return block_verify_reference(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs)
+    if kernels:
         from hf_specdec.kernels.rejection import rejection_sample_triton  # triton is optional: import on use
 
         return rejection_sample_triton(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs)
