@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--prompts",
         required=True,
-        help="mt-bench, humaneval, or a jsonl file with a 'prompt' or 'messages' field",
+        help="mt-bench, humaneval, bfcl (function calling), or a jsonl file with a 'prompt' or 'messages' field",
     )
     bench.add_argument("--num-prompts", type=int, help="the first N prompts (default: all)")
     bench.add_argument("--batch-size", type=int, default=1)
@@ -77,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
         "--compare-cpu-linear-backends",
         type=_backends,
         help="also time ours with each of these cpu_linear_backends, e.g. torch,onednn (arms ours_<backend>)",
+    )
+    bench.add_argument(
+        "--compare-methods",
+        type=lambda text: tuple(part for part in text.split(",") if part),
+        help="also time ours with each of these token drafters at the same k, e.g. ngram (arms ours_<method>)",
     )
     bench.add_argument(
         "--plain-fast-linears",
@@ -189,9 +194,12 @@ def _bench(args: argparse.Namespace) -> int:
         extra_config=extra,
         plain_fast_linears=args.plain_fast_linears,
         cpu_linear_backends=args.compare_cpu_linear_backends or (),
+        compare_methods=args.compare_methods or (),
     )
     for backend in (None, *settings.cpu_linear_backends):  # a bad setting fails now, not after loading the model
         settings.speculative_config(settings.k, cpu_linear_backend=backend)
+    for method in settings.compare_methods:
+        settings.speculative_config(settings.k, method=method)
     if args.batch_size < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         raise ValueError("--batch-size and --num-prompts: allowed: integers >= 1")
     model, tokenizer = load_target(args.model, DTYPES[args.dtype], args.device)

@@ -131,6 +131,26 @@ def test_bench_compares_cpu_linear_backends(model_folder, prompts_file, tmp_path
         assert (config.cpu_linear_backend, config.method, config.num_speculative_tokens) == (backend, "ngram", 2)
 
 
+def test_bench_compares_methods(model_folder, prompts_file, tmp_path):
+    out = tmp_path / "results.json"
+    status = cli.main(
+        bench_args(model_folder, prompts_file, "--method", "suffix", "--k", "3", "--batch-size", "2",
+                   "--compare-methods", "ngram,suffix", "--out", str(out))
+    )  # fmt: skip
+    assert status == 0
+    results = json.loads(out.read_text())
+    assert list(results["arms"]) == ["plain", "ours", "ours_ngram"]  # ours is suffix itself
+    assert results["settings"]["compare_methods"] == ["ngram", "suffix"]
+    for name in ("ours", "ours_ngram"):
+        arm = results["arms"][name]
+        assert arm["k"] == 3 and arm["identical_fraction"] == 1.0 and SPEC_KEYS <= set(arm), name
+    settings = BenchSettings(method="suffix", k=3, extra_config={"suffix_max_tree_depth": 8}, compare_methods=("ngram",))
+    arms = {arm.name: arm for arm in build_arms(settings, build_tiny_llama())}
+    ngram = arms["ours_ngram"].generate_kwargs["speculative_config"]
+    assert (ngram.method, ngram.num_speculative_tokens) == ("ngram", 3)
+    assert arms["ours"].generate_kwargs["speculative_config"].suffix_max_tree_depth == 8
+
+
 @pytest.mark.parametrize(
     "extra,fragment",
     [
@@ -140,6 +160,7 @@ def test_bench_compares_cpu_linear_backends(model_folder, prompts_file, tmp_path
         (["--method", "layer_skip", "--k", "3"], "early_exit_layer"),
         (["--method", "ngram", "--ks", "1,two"], "--ks"),
         (["--method", "ngram", "--compare-cpu-linear-backends", "torch,blas"], "--compare-cpu-linear-backends"),
+        (["--method", "suffix", "--compare-methods", "ngram,eagle3"], "--compare-methods"),
     ],
 )
 def test_bench_bad_arguments_exit_with_a_message(model_folder, prompts_file, capsys, extra, fragment):

@@ -10,7 +10,9 @@
 - "ours": `speculative_config` at the requested k (or "auto");
 - "ours_k{k}": ours at each k of the sweep (the speedup-vs-k plot);
 - "ours_{backend}": ours at the requested k with another fp32 CPU linear backend, one per backend
-  asked for: an A/B of the GEMM routes, interleaved like every other arm.
+  asked for: an A/B of the GEMM routes, interleaved like every other arm;
+- "ours_{method}": another of our drafters at the same k, one per method asked for (e.g. suffix
+  against ngram on the same prompts), with that method's defaults.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from transformers import PreTrainedModel
 from ..config import SpeculativeConfig
 from ..drafters.draft_model import load_draft_model
 from ..models.cpu_linear import resolve_backend
+
+TOKEN_METHODS = ("ngram", "suffix")  # drafters that need no model: what compare_methods may name
 
 
 @dataclass
@@ -40,6 +44,8 @@ class BenchSettings:
         extra_config: more speculative_config keys, for every arm of ours (prompt_lookup_min, ...).
         plain_fast_linears: add the "plain_fast_linears" arm.
         cpu_linear_backends: more arms of ours, one per `cpu_linear_backend` named ("ours_<backend>").
+        compare_methods: more arms of ours, one per drafter method named ("ours_<method>"); methods
+            that read tokens only (ngram, suffix): the others would need their own draft / settings.
     """
 
     method: str = "ngram"
@@ -52,10 +58,20 @@ class BenchSettings:
     extra_config: dict = field(default_factory=dict)
     plain_fast_linears: bool = False
     cpu_linear_backends: tuple[str, ...] = ()
+    compare_methods: tuple[str, ...] = ()
 
-    def speculative_config(self, k: int | str, cpu_linear_backend: str | None = None) -> SpeculativeConfig:
+    def speculative_config(
+        self, k: int | str, cpu_linear_backend: str | None = None, method: str | None = None
+    ) -> SpeculativeConfig:
         """Our config at `k`, with `cpu_linear_backend` where given (validated: a bad setting fails
-        before any run)."""
+        before any run); `method`: another token-reading drafter with its defaults (a compare arm)."""
+        if method is not None and method != self.method:
+            if method not in TOKEN_METHODS:
+                raise ValueError(f"--compare-methods {method!r} is not allowed; allowed: {', '.join(TOKEN_METHODS)}")
+            config = {"method": method, "num_speculative_tokens": k}
+            if cpu_linear_backend is not None or "cpu_linear_backend" in self.extra_config:
+                config["cpu_linear_backend"] = cpu_linear_backend or self.extra_config["cpu_linear_backend"]
+            return SpeculativeConfig.from_any(config)
         config = {"method": self.method, "num_speculative_tokens": k, **self.extra_config}
         if cpu_linear_backend is not None:
             config["cpu_linear_backend"] = cpu_linear_backend
@@ -73,6 +89,7 @@ class BenchSettings:
             "draft": draft,
             "sweep_ks": list(self.sweep_ks),
             "cpu_linear_backends": list(self.cpu_linear_backends),
+            "compare_methods": list(self.compare_methods),
         }
 
 
@@ -89,7 +106,7 @@ class Arm:
 
 def build_arms(settings: BenchSettings, model: PreTrainedModel) -> list[Arm]:
     """plain, plain_fast_linears (if asked), transformers' own (batch size 1, where it exists), ours,
-    the sweep's other ks, then ours with each other CPU linear backend asked for."""
+    the sweep's other ks, ours with each other CPU linear backend asked for, then each other method."""
     ours = settings.speculative_config(settings.k)
     arms = [Arm("plain", {})]
     if settings.plain_fast_linears:
@@ -106,6 +123,9 @@ def build_arms(settings: BenchSettings, model: PreTrainedModel) -> list[Arm]:
         if backend != ours.cpu_linear_backend:
             config = settings.speculative_config(settings.k, cpu_linear_backend=backend)
             arms.append(Arm(f"ours_{backend}", _ours_kwargs(config), settings.k))
+    for method in settings.compare_methods:
+        if method != settings.method:
+            arms.append(Arm(f"ours_{method}", _ours_kwargs(settings.speculative_config(settings.k, method=method)), settings.k))
     return arms
 
 

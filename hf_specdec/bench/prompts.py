@@ -6,18 +6,18 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..models.real_models import humaneval_prompts, mtbench_prompts
+from ..models.real_models import bfcl_prompts, humaneval_prompts, mtbench_prompts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-PROMPT_SETS = {"mt-bench": mtbench_prompts, "humaneval": humaneval_prompts}
+PROMPT_SETS = {"mt-bench": mtbench_prompts, "humaneval": humaneval_prompts, "bfcl": bfcl_prompts}
 
 
 def load_prompts(source: str, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[str]:
     """Prompt strings ready to tokenize.
 
-    `source`: "mt-bench" (first turns), "humaneval", or a jsonl file whose records have a "prompt"
+    `source`: "mt-bench" (first turns), "humaneval", "bfcl" (function calling), or a jsonl file whose records have a "prompt"
     (a user message) or a "messages" field (a chat: [{"role", "content"}, ...]). Every prompt is
     rendered with the tokenizer's chat template (generation prompt added); a tokenizer without
     one takes "prompt" text as is and refuses "messages".

