@@ -15,7 +15,7 @@ pairs x vocabulary chunks, partial argmaxes reduced by the accept kernel):
      float32, with the row's noise: argmax(max(w_j p_j - q_j, 0) / E) (p / E at the bonus
      position). Every position needs its mass for h, so every position races too: the race
      reuses the loads the mass makes, and the row's stop is known only once all masses are;
-   - sampled rows with one-hot drafts: Z_j = w_j (1 - p_j(X_{j+1})) needs no vocabulary pass, so
+   - sampled rows with one-hot drafts: Z_j = w_j - w_j p_j(X_{j+1}) needs no vocabulary pass, so
      each pair runs the whole scan (weights, h, the stop tau: `_accepted_length`) and makes its
      vocabulary pass only at tau: the race over p_tau with X_{tau+1} zeroed, or p at the bonus.
 2. `_block_accept_kernel`: per row, the scan again (the masses reduced from the chunks' partial
@@ -23,8 +23,9 @@ pairs x vocabulary chunks, partial argmaxes reduced by the accept kernel):
    unequal to the argmax, as token-wise), and the output row.
 
 Operations match the reference one for one (float32 weights: `div_rn`, one multiply, one min;
-float64 masses and h, whose per-element terms are exact in float64, so a fused multiply-add
-cannot change them; only the masses' summation order differs).
+float64 masses and h, where every product is of two float32 values, w * p, exact in float64 (the
+one-hot mass is w - w * p for that reason), so the fused multiply-adds the compiler forms cannot
+change them; only the masses' summation order differs).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _accepted_length(
     """tau per row (0 where `sampled` is False): the last i with eta_i < h_i.
 
     Walks the drafts once: at draft s (1 <= s < g) h_s = Z_s / (Z_s + 1 - w_s), Z_s from the
-    position kernel's partial sums (q given) or w_s (1 - p_s(X_{s+1})) (one-hot); then w_{s+1};
+    position kernel's partial sums (q given) or w_s - w_s p_s(X_{s+1}) (one-hot); then w_{s+1};
     after the last draft h_g = w_g.
     """
     weight = tl.zeros_like(draft_start).to(tl.float32) + 1.0
@@ -131,7 +132,9 @@ def _accepted_length(
             partial_ok = has_h[:, None] & (chunks < num_chunks)
             mass = tl.sum(tl.load(mass_ptr + partial, mask=partial_ok, other=0.0), axis=1)
         else:
-            mass = weight.to(tl.float64) * (1.0 - target_p.to(tl.float64))
+            # w - w * p, not w * (1 - p): the product is exact, so fusing it into an fma changes nothing
+            weight_64 = weight.to(tl.float64)
+            mass = weight_64 - weight_64 * target_p.to(tl.float64)
         denominator = mass + (1.0 - weight.to(tl.float64))
         positive = denominator > 0
         h = tl.where(positive, mass / tl.where(positive, denominator, 1.0), 0.0)
@@ -253,7 +256,9 @@ def _block_position_kernel(
     mass = tl.zeros([BLOCK_ROWS * BLOCK_POSITIONS, BLOCK_V], tl.float64)
     for block_start in range(chunk_start, chunk_end, BLOCK_V):
         columns = (block_start + lanes)[None, :]
-        logit = tl.load(logits_base + columns, mask=columns < logits_columns, other=float("-inf")).to(tl.float32)
+        logit = tl.load(logits_base + columns, mask=columns < logits_columns, other=float("-inf")).to(
+            tl.float32
+        )
         prob = tl.load(probs_base + columns, mask=columns < sampled_columns, other=0.0).to(tl.float32)
         if HAS_DRAFT_PROBS:
             q = tl.load(q_base + columns, mask=columns < q_columns, other=0.0).to(tl.float32)

@@ -17,7 +17,7 @@ deterministic, `draft_probs` None):
 1. weights (the paper's p_i, eq. (8) / Algorithm 2 line 4): w_0 = 1,
    w_i = min(w_{i-1} * p_{i-1}(X_i) / q_{i-1}(X_i), 1), i = 1..g.
 2. residual masses: Z_i = sum_x max(w_i * p_i(x) - q_i(x), 0) for i = 1..g-1; for one-hot q
-   this is w_i * (1 - p_i(X_{i+1})) (p sums to 1), no vocabulary pass.
+   this is w_i - w_i * p_i(X_{i+1}) (p sums to 1), no vocabulary pass.
 3. stop probabilities (Algorithm 2 line 5): h_i = Z_i / (Z_i + 1 - w_i) for i < g, h_g = w_g.
 4. accepted length tau = the largest i with eta_i < h_i, 0 if none (Algorithm 2 lines 7-9: the
    backward scan), eta_i ~ U[0, 1) one per draft.
@@ -41,13 +41,16 @@ extra token is the exponential race argmax(weights / E) over the row's noise vec
 runs reproduce and the Triton kernels (`hf_specdec.kernels.block_verification`) emit the same
 tokens on the same draws. Both take every operation from here in the same order: the weights in
 float32 (one IEEE multiply, divide and min per draft, which no backend can round differently),
-residual masses and h in float64 (each term w * p(x) is exact in float64, so a fused multiply-add
-cannot change it; the sum's order differs between backends, which moves h by ~1e-16 relative:
-two backends disagree only when eta lands that close to h), and the residual weights rounded
-to float32 for the race. Two float edge cases, where exact arithmetic would not go: 0/0 in h
-(Z_i = 0 and w_i = 1, where tau >= i + 1 holds surely in exact arithmetic) is 0, and with the
-strict eta_i < h_i a position whose residual mass is 0 is never where a row stops (tau >= 1); a
-drafted token with q(X) = 0 (not a draw from q) gets weight 1 when p(X) > 0, 0 otherwise.
+residual masses and h in float64 (each product w * p(x) of two float32 is exact in float64, so a
+fused multiply-add, which the GPU compiler forms where a product feeds an add, cannot change it:
+hence the one-hot mass w - w * p, not w * (1 - p), whose product is rounded and would be fused
+into h's denominator Z + (1 - w); the sum's order differs between backends, which moves h by
+~1e-16 relative: two backends disagree only when eta lands that close to h), and the residual
+weights rounded to float32 for the race. Two float edge cases, where exact arithmetic would not
+go: 0/0 in h (Z_i = 0 and w_i = 1, where tau >= i + 1 holds surely in exact arithmetic) is 0,
+and with the strict eta_i < h_i a position whose residual mass is 0 is never where a row stops
+(tau >= 1); a drafted token with q(X) = 0 (not a draw from q) gets weight 1 when p(X) > 0, 0
+otherwise.
 """
 
 from __future__ import annotations
@@ -133,7 +136,9 @@ def block_verify_reference(
     # 1. weights w_0..w_g of the sampled rows, float32, [rows, width + 1]
     sampled_draft = in_row & ~is_greedy[:, None]
     target_p = target_probs[metadata.target_logits_indices, draft_ids]
-    draft_q = torch.ones_like(target_p) if draft_probs is None else draft_probs.gather(1, draft_ids[:, None])[:, 0]
+    draft_q = (
+        torch.ones_like(target_p) if draft_probs is None else draft_probs.gather(1, draft_ids[:, None])[:, 0]
+    )
     weights = torch.ones(num_rows, width + 1, dtype=torch.float32, device=device)
     for i in range(width):
         updated = next_weight(weights[:, i], target_p[grid_index[:, i]], draft_q[grid_index[:, i]])
@@ -143,7 +148,8 @@ def block_verify_reference(
     mass = torch.zeros(num_rows, width, dtype=torch.float64, device=device)
     needed = sampled_draft & (offsets[None, :] >= 1)
     if draft_probs is None:
-        mass = torch.where(needed, weights[:, :width].double() * (1.0 - target_p[grid_index].double()), mass)
+        weight = weights[:, :width].double()  # w - w * p: the product is exact (see Numerics)
+        mass = torch.where(needed, weight - weight * target_p[grid_index].double(), mass)
     else:
         mass_rows, mass_columns = needed.nonzero(as_tuple=True)
         for start in range(0, len(mass_rows), MASS_CHUNK_DRAFTS):
@@ -151,7 +157,8 @@ def block_verify_reference(
             columns = mass_columns[start : start + MASS_CHUNK_DRAFTS]
             drafts = first_draft[rows] + columns
             excess = (
-                weights[rows, columns].double()[:, None] * target_probs[metadata.target_logits_indices[drafts]].double()
+                weights[rows, columns].double()[:, None]
+                * target_probs[metadata.target_logits_indices[drafts]].double()
                 - draft_probs[drafts].double()
             )
             mass[rows, columns] = excess.clamp_min(0.0).sum(dim=-1)
@@ -164,7 +171,9 @@ def block_verify_reference(
     eta = draws.uniform.to(device)[grid_index].double() if width else torch.zeros(num_rows, 0, device=device)
     stops = sampled_draft & (eta < h)
     candidates = torch.where(stops, offsets[None, :] + 1, 0)
-    num_accepted = torch.cat([torch.zeros(num_rows, 1, dtype=torch.int64, device=device), candidates], 1).amax(1)
+    num_accepted = torch.cat(
+        [torch.zeros(num_rows, 1, dtype=torch.int64, device=device), candidates], 1
+    ).amax(1)
 
     argmax_tokens = None
     if bool(is_greedy.any()):  # greedy rows: the leading run of drafts equal to the argmax
