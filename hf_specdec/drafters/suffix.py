@@ -9,8 +9,8 @@ pass through it (`count`: how often that substring occurs) and the sum of its ch
 (`total`: how often it occurs *followed by something*). Each node also keeps its most frequent
 child (`best`; ties go to the child counted most recently), so following the most frequent
 continuation costs one read per token. Nodes live in one int32 array (token, count, total, first
-child, next sibling, best child), children in sibling lists, the root's children in a dense array
-indexed by token id.
+child, next sibling, best child), children in sibling lists (the most recently counted first), the
+root's children in a dense array indexed by token id.
 
 Two kinds of trie:
 
@@ -92,8 +92,21 @@ def _child(nodes, root, node, token):
 
 @numba.njit(nogil=True)
 def _bump(nodes, root, meta, node, token):
-    """Count one more window through `node`'s child for `token` (created if missing); returns it."""
-    child = _child(nodes, root, node, token)
+    """Count one more window through `node`'s child for `token` (created if missing); returns it.
+
+    The child moves to the front of its siblings: they stay in the order of their last count, which
+    is what `_rescan_best` breaks ties by (so a trie that lost its oldest windows picks the same
+    best children as one built from the rest)."""
+    if node == 0:
+        child = _child(nodes, root, node, token)
+    else:
+        previous, child = -1, nodes[node, FIRST]
+        while child >= 0 and nodes[child, TOKEN] != token:
+            previous, child = child, nodes[child, SIBLING]
+        if child >= 0 and previous >= 0:  # move to front
+            nodes[previous, SIBLING] = nodes[child, SIBLING]
+            nodes[child, SIBLING] = nodes[node, FIRST]
+            nodes[node, FIRST] = child
     if child < 0:
         child = meta[FREE]
         if child >= 0:
@@ -154,6 +167,8 @@ def _follow(nodes, root, active, num_active, tokens, depth):
 
 @numba.njit(nogil=True)
 def _rescan_best(nodes, node):
+    """The most frequent child, ties to the one counted most recently: the first of the most
+    frequent in the sibling list (most recently counted first, see `_bump`)."""
     best = -1
     child = nodes[node, FIRST]
     while child >= 0:
@@ -172,7 +187,13 @@ def _remove(nodes, root, meta, sequence, depth):
         node = 0
         for position in range(start, min(start + depth, length)):
             token = sequence[position]
-            child = _child(nodes, root, node, token)
+            previous = -1  # the sibling before `child` (to unlink it without a second walk)
+            if node == 0:
+                child = root[token]
+            else:
+                child = nodes[node, FIRST]
+                while nodes[child, TOKEN] != token:
+                    previous, child = child, nodes[child, SIBLING]
             nodes[child, COUNT] -= 1
             nodes[node, TOTAL] -= 1
             if nodes[child, COUNT] > 0:
@@ -184,9 +205,6 @@ def _remove(nodes, root, meta, sequence, depth):
             if node == 0:
                 root[token] = -1
             else:
-                previous, current = -1, nodes[node, FIRST]
-                while current != child:
-                    previous, current = current, nodes[current, SIBLING]
                 if previous < 0:
                     nodes[node, FIRST] = nodes[child, SIBLING]
                 else:
@@ -237,7 +255,9 @@ def _draft(
     k, factor, min_prob, out, other, scratch,
 ):  # fmt: skip
     """The row trie's best draft against the global trie's (the row's wins a tie); returns its length."""
-    count, score = _best_path(row_nodes, row_active, row_num_active, row_depth, k, factor, min_prob, out, scratch)
+    count, score = _best_path(
+        row_nodes, row_active, row_num_active, row_depth, k, factor, min_prob, out, scratch
+    )
     if global_num_active > 0:
         other_count, other_score = _best_path(
             global_nodes, global_active, global_num_active, global_depth, k, factor, min_prob, other, scratch
@@ -286,7 +306,9 @@ class _Trie:
 def _as_tokens(sequence, where: str) -> np.ndarray:
     tokens = np.asarray(sequence)
     if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
-        raise ValueError(f"{where}: each output must be a 1-D sequence of token ids, got {tokens.dtype} {tokens.shape}")
+        raise ValueError(
+            f"{where}: each output must be a 1-D sequence of token ids, got {tokens.dtype} {tokens.shape}"
+        )
     if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
         raise ValueError(f"{where}: token ids must be in 0..2**31-1")
     return tokens.astype(np.int32)
@@ -359,12 +381,16 @@ class SuffixCache:
     def reconfigure(self, max_tree_depth: int | None = None, max_cached_requests: int | None = None) -> None:
         """A new depth (the trie is rebuilt from the cached outputs) and / or size (the oldest
         outputs past it are evicted)."""
+        if max_tree_depth is not None:  # both checked before either changes anything
+            max_tree_depth = _check_int("max_tree_depth", max_tree_depth, 1)
+        if max_cached_requests is not None:
+            max_cached_requests = _check_int("max_cached_requests", max_cached_requests, 0)
         with self._lock:
             if max_cached_requests is not None:
-                self._max_cached_requests = _check_int("max_cached_requests", max_cached_requests, 0)
+                self._max_cached_requests = max_cached_requests
                 self._evict()
             if max_tree_depth is not None and max_tree_depth != self._max_tree_depth:
-                self._max_tree_depth = _check_int("max_tree_depth", max_tree_depth, 1)
+                self._max_tree_depth = max_tree_depth
                 outputs, self._outputs, self._trie = list(self._outputs), deque(), _Trie()
                 self.add_outputs(outputs)
                 self.version += 1
@@ -377,7 +403,13 @@ class SuffixCache:
 
     def _evict(self) -> None:
         while len(self._outputs) > self._max_cached_requests:
-            _remove(self._trie.nodes, self._trie.root, self._trie.meta, self._outputs.popleft(), self._max_tree_depth)
+            _remove(
+                self._trie.nodes,
+                self._trie.root,
+                self._trie.meta,
+                self._outputs.popleft(),
+                self._max_tree_depth,
+            )
             self.version += 1
 
 
@@ -402,7 +434,9 @@ class _Row:
     """One row's trie, its tokens so far, and its suffixes' nodes in the global trie."""
 
     def __init__(self, tokens: np.ndarray, depth: int):
-        self.trie = _Trie(capacity=(len(tokens) + 64) * depth + 1, vocab=int(tokens.max()) + 1 if len(tokens) else 1)
+        self.trie = _Trie(
+            capacity=(len(tokens) + 64) * depth + 1, vocab=int(tokens.max()) + 1 if len(tokens) else 1
+        )
         self.active = np.zeros(depth, dtype=np.int32)
         self.num_active = self.trie.extend(self.active, 0, tokens, depth)
         self.tokens = tokens
@@ -423,7 +457,9 @@ class _Row:
             self.global_num_active = 0
             new = self.tokens[-depth:]
         if len(new):
-            self.global_num_active = _follow(trie.nodes, trie.root, self.global_active, self.global_num_active, new, depth)
+            self.global_num_active = _follow(
+                trie.nodes, trie.root, self.global_active, self.global_num_active, new, depth
+            )
         self.global_key = key
 
 
@@ -460,7 +496,9 @@ class SuffixProposer:
         model's own (none with `suffix_max_cached_requests=0`)."""
         cache = config.suffix_cache
         if cache is None and config.suffix_max_cached_requests > 0 and target_model is not None:
-            cache = model_suffix_cache(target_model, config.suffix_max_tree_depth, config.suffix_max_cached_requests)
+            cache = model_suffix_cache(
+                target_model, config.suffix_max_tree_depth, config.suffix_max_cached_requests
+            )
         return cls(
             config.max_draft_tokens,
             config.suffix_max_tree_depth,
