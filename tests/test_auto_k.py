@@ -223,8 +223,8 @@ class RecordingProposer:
         self.steps.append(list(zip(request.max_draft_tokens, proposal.num_draft_tokens)))
         return proposal
 
-    def release(self, rows):
-        self.inner.release(rows)
+    def release(self, rows, token_ids=None):
+        self.inner.release(rows, token_ids)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

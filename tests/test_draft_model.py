@@ -207,10 +207,10 @@ def test_wrong_q_is_detected(small_vocab_pair, monkeypatch):
     original = decoding.rejection_sample
     seen = []
 
-    def uniform_q(metadata, logits, is_greedy, draws=None, draft_probs=None):
+    def uniform_q(metadata, logits, is_greedy, draws=None, draft_probs=None, method="token"):
         seen.append(draft_probs)
         wrong = None if draft_probs is None else torch.full_like(draft_probs, 1.0 / draft_probs.shape[-1])
-        return original(metadata, logits, is_greedy, draws=draws, draft_probs=wrong)
+        return original(metadata, logits, is_greedy, draws=draws, draft_probs=wrong, method=method)
 
     monkeypatch.setattr(decoding, "rejection_sample", uniform_q)
     samples = _draft_samples(target, draft, sampling, num_samples=4000, seed=1234)
@@ -224,8 +224,8 @@ def test_wrong_q_is_detected(small_vocab_pair, monkeypatch):
 def _acceptance_rate(target, draft, drop_q: bool, monkeypatch) -> float:
     original = decoding.rejection_sample
 
-    def maybe_drop_q(metadata, logits, is_greedy, draws=None, draft_probs=None):
-        return original(metadata, logits, is_greedy, draws=draws, draft_probs=None if drop_q else draft_probs)
+    def maybe_drop_q(metadata, logits, is_greedy, draws=None, draft_probs=None, method="token"):
+        return original(metadata, logits, is_greedy, draws=draws, draft_probs=None if drop_q else draft_probs, method=method)
 
     monkeypatch.setattr(decoding, "rejection_sample", maybe_drop_q)
     input_ids = torch.tensor([PROMPT] * 400)

@@ -118,9 +118,9 @@ def test_sampling_test_detects_always_accepting(monkeypatch):
     model = hf_specdec.enable(build_small_vocab_llama())
     sampling = SETTINGS["temperature_topk_topp"]
 
-    def always_accept(metadata, logits, is_greedy, draws=None, draft_probs=None):
+    def always_accept(metadata, logits, is_greedy, draws=None, draft_probs=None, method="token"):
         draws = RandomDraws(uniform=torch.zeros_like(draws.uniform), exponential=draws.exponential)
-        return rejection_sample(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs)
+        return rejection_sample(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs, method=method)
 
     monkeypatch.setattr(decoding, "rejection_sample", always_accept)
     samples, _, _ = _eagle_samples(model, "eagle3", sampling)

@@ -131,7 +131,7 @@ def test_ngram_only_rows_leave_the_drafter_idle():
             seen.append(list(request.max_draft_tokens))
             return DraftProposal([np.array([9] * n, dtype=np.int64) for n in request.max_draft_tokens])
 
-        def release(self, rows):
+        def release(self, rows, token_ids=None):
             seen.append(("released", rows))
 
     proposer = NgramFirstProposer(NgramProposer(3, 1, 2), Recorder())

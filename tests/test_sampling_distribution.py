@@ -126,9 +126,9 @@ def test_broken_sampler_is_detected(model, monkeypatch):
     sampling = SETTINGS["temperature_topk_topp"]
     exact = exact_distribution(model, sampling)
 
-    def always_accept(metadata, logits, is_greedy, draws=None, draft_probs=None):
+    def always_accept(metadata, logits, is_greedy, draws=None, draft_probs=None, method="token"):
         draws = RandomDraws(uniform=torch.zeros_like(draws.uniform), exponential=draws.exponential)
-        return rejection_sample(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs)
+        return rejection_sample(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs, method=method)
 
     monkeypatch.setattr(decoding, "rejection_sample", always_accept)
     samples, _ = speculative_samples(model, sampling, NGRAM_CONFIG, num_samples=4000, seed=1234)

@@ -396,6 +396,10 @@ def test_release_adds_the_rows_outputs():
     proposer.release([0])
     assert [o.tolist() for o in cache.outputs()] == [[9], [7, 8, 6]]
     assert proposer._rows == {}
+    # with the final tokens (as the loop passes them) the last step's tokens are in too
+    propose(proposer, [[1, 2, 3], [4, 5]])
+    proposer.release([1, 0], [np.array([4, 5, 9, 9, 2]), np.array([1, 2, 3, 6])])
+    assert [o.tolist() for o in cache.outputs()][2:] == [[9, 9, 2], [6]]
 
 
 # --- 3. greedy identity with plain generate() ---------------------------------------------------
@@ -505,6 +509,9 @@ def test_second_call_accepts_more_from_the_models_cache(cached):
     first, second = (run.spec_metrics for run in runs)
     if cached:
         assert len(getattr(model, MODEL_CACHE_ATTRIBUTE)) == 6
+        # whole outputs, the last step's tokens included (the loop hands the final tokens to release)
+        generated = sorted(runs[0].sequences[:, inputs["input_ids"].shape[1] :].tolist())
+        assert sorted(o.tolist() for o in getattr(model, MODEL_CACHE_ATTRIBUTE).outputs()[:3]) == generated
         assert second["num_accepted_tokens"] > first["num_accepted_tokens"]
         assert second["mean_acceptance_length"] > first["mean_acceptance_length"] + 0.5, (first, second)
         assert second["num_drafts"] < first["num_drafts"]

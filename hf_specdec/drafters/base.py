@@ -50,6 +50,8 @@ class Proposer(Protocol):
 
     def propose(self, request: ProposeRequest) -> DraftProposal: ...
 
-    def release(self, rows: list[int]) -> None:
-        """Rows that finished: drop whatever state the drafter keeps for them."""
+    def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
+        """Rows that finished: drop whatever state the drafter keeps for them. `token_ids`: each
+        row's final tokens (prompt + output, unpadded; the loop always passes them), for drafters
+        that learn from finished outputs (suffix)."""
         ...

@@ -210,7 +210,7 @@ class DraftModelProposer:
                 self.cached_tokens[row] = np.concatenate([np.asarray(tokens, dtype=np.int64), draft[:-1]])
         return DraftProposal(draft_token_ids=drafts, draft_probs=stack_draft_probs(probs, self.output_device))
 
-    def release(self, rows: list[int]) -> None:
+    def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
         for row in rows:
             self.cached_tokens.pop(row, None)
             if self.cache is not None:

@@ -159,7 +159,7 @@ class EagleProposer:
             drafts[i] = out[j, : wanted[j]].copy()
         return DraftProposal(draft_token_ids=drafts)
 
-    def release(self, rows: list[int]) -> None:
+    def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
         for row in rows:
             if self.cache is not None:
                 self.cache.free_row(int(row))

@@ -112,5 +112,5 @@ class LayerSkipProposer:
                     self.cache.rollback(row, length)
         return DraftProposal(draft_token_ids=drafts, draft_probs=stack_draft_probs(probs, self.model.device))
 
-    def release(self, rows: list[int]) -> None:
+    def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
         self.picker.release(rows)  # the loop frees the rows' blocks in its (shared) cache

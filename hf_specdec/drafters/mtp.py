@@ -251,7 +251,7 @@ class MtpProposer:
             for row, length in real_lengths.items():  # drop the speculative entries
                 cache.rollback(row, length)
 
-    def release(self, rows: list[int]) -> None:
+    def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
         for row in rows:
             if self.cache is not None:
                 self.cache.free_row(int(row))

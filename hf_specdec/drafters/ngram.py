@@ -98,5 +98,5 @@ class NgramProposer:
         counts = propose_ngram_batch(flat_tokens, row_starts, max_draft, self.min_n, self.max_n, out_tokens)
         return DraftProposal(draft_token_ids=[out_tokens[i, : counts[i]] for i in range(len(lengths))])
 
-    def release(self, rows: list[int]) -> None:
+    def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
         pass  # stateless

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from .base import DraftProposal, Proposer, ProposeRequest
@@ -44,9 +45,9 @@ class LookupFirstProposer:
         drafts = [found if m else own for m, found, own in zip(matched, lookup, modelled.draft_token_ids)]
         return DraftProposal(draft_token_ids=drafts, draft_probs=_with_one_hot_rows(modelled, drafts, matched))
 
-    def release(self, rows: list[int]) -> None:
-        self.lookup.release(rows)
-        self.drafter.release(rows)
+    def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
+        self.lookup.release(rows, token_ids)
+        self.drafter.release(rows, token_ids)
 
 
 class NgramFirstProposer(LookupFirstProposer):

@@ -534,11 +534,17 @@ class SuffixProposer:
                 )  # fmt: skip
         return DraftProposal(draft_token_ids=[out[i, :n].astype(np.int64) for i, n in enumerate(counts)])
 
-    def release(self, rows: list[int]) -> None:
-        """Finished rows: their outputs (what this drafter saw after the prompt) go to the cache."""
-        finished = [self._rows.pop(row) for row in rows if row in self._rows]
+    def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
+        """Finished rows: their outputs go to the cache: `token_ids` (each row's final tokens, as the
+        loop passes them) after the prompt, else what this drafter saw of them (all but the last step's)."""
+        finals = token_ids if token_ids is not None else [None] * len(rows)
+        outputs = []
+        for row, final in zip(rows, finals):
+            state = self._rows.pop(row, None)
+            if state is not None:
+                outputs.append((state.tokens if final is None else np.asarray(final))[state.prompt_len :])
         if self.cache is not None:
-            self.cache.add_outputs(state.tokens[state.prompt_len :] for state in finished)
+            self.cache.add_outputs(outputs)
 
     def _update(self, row: int, tokens: np.ndarray) -> np.ndarray:
         """Bring the row's trie up to `tokens`; returns the tokens that were new to it."""

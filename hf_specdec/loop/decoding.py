@@ -292,7 +292,8 @@ def speculative_step(
                 segment_start = int(segment_ends[i] - segment_lens[i])
                 features.keep(int(row), segment_start, int(num_pending[i] + num_accepted[i]))
     if stopped.any():
-        proposer.release(rows[stopped].tolist())
+        finished = rows[stopped].tolist()
+        proposer.release(finished, [state.tokens(r) for r in finished])
     if k_controller is not None:
         k_controller.record_step(time.perf_counter() - started, k, spec.num_draft_tokens, num_accepted.tolist())
     return emitted
