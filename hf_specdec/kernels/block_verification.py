@@ -34,19 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_specdec.kernels.rejection import (
-    MAX_SPEC_LEN,
-    LaunchTiles,
-    _non_empty,
-    kernels_are_interpreted,
-    rejection_sample_triton,
-)
+from hf_specdec.kernels.rejection import LaunchTiles, StepTensors, rejection_sample_triton
 from hf_specdec.sampling.metadata import SpecDecodeMetadata
 from hf_specdec.sampling.rejection_reference import (
     NOISE_FLOOR,
     PLACEHOLDER_TOKEN_ID,
     RandomDraws,
-    target_probabilities,
 )
 
 
@@ -387,37 +380,14 @@ def block_verify_triton(
     Tensors on a CUDA device, or on CPU under TRITON_INTERPRET=1 (as `rejection_sample_triton`);
     `tiles` overrides `LaunchTiles.choose` (tests run the GPU's tiles under the interpreter).
     """
-    if metadata.max_spec_len > MAX_SPEC_LEN:
-        raise ValueError(
-            f"the Triton rejection sampler takes at most {MAX_SPEC_LEN} drafts per row, got {metadata.max_spec_len}"
-        )
-    device = logits.device
-    interpreted = kernels_are_interpreted()
-    if device.type != "cuda" and not interpreted:
-        raise ValueError(
-            f"the Triton rejection sampler got {device.type} tensors; CPU tensors need TRITON_INTERPRET=1 "
-            "set before hf_specdec.kernels is first imported"
-        )
-    num_rows, output_width, vocab_size = metadata.num_rows, metadata.max_spec_len + 1, logits.shape[-1]
-    logits = logits.contiguous()
-    is_greedy = is_greedy.to(device=device, dtype=torch.bool).contiguous()
-    probs = target_probabilities(logits, is_greedy) if num_rows else None
-    if probs is None:  # every row greedy: token-wise's rule is the rule
+    step = StepTensors.prepare(metadata, logits, is_greedy, draws, draft_probs, tiles)
+    if step.all_greedy:  # every row greedy: token-wise's rule is the rule
         return rejection_sample_triton(metadata, logits, is_greedy, tiles=tiles)
-    if draws is None:
-        raise ValueError("rejection_sample needs random draws for sampled rows")
-
+    num_rows, output_width = metadata.num_rows, metadata.max_spec_len + 1
+    device, tiles, num_chunks, has_draft_probs = step.logits.device, step.tiles, step.num_chunks, step.has_draft_probs
+    logits, is_greedy, probs, draft_probs = step.logits, step.is_greedy, step.probs, step.draft_probs
     output = torch.empty((num_rows, output_width), dtype=torch.int64, device=device)
     num_accepted = torch.empty(num_rows, dtype=torch.int64, device=device)
-    uniform = _non_empty(draws.uniform.to(device).contiguous())
-    exponential = draws.exponential.to(device).contiguous()
-    has_draft_probs = draft_probs is not None
-    draft_probs = _non_empty(draft_probs.to(device).contiguous()) if has_draft_probs else logits
-    draft_ids = _non_empty(metadata.draft_token_ids.to(device))
-    cu_num_draft = metadata.cu_num_draft_tokens.to(device)
-    target_logits_indices = _non_empty(metadata.target_logits_indices.to(device))
-    tiles = tiles or LaunchTiles.choose(num_rows, output_width, vocab_size, interpreted)
-    chunk_columns, num_chunks = tiles.vocab_chunks(vocab_size)
     block_chunks = triton.next_power_of_2(num_chunks)
     block_spec = triton.next_power_of_2(output_width)
 
@@ -441,19 +411,19 @@ def block_verify_triton(
         probs.stride(0),
         draft_probs,
         draft_probs.stride(0),
-        exponential,
-        exponential.stride(0),
-        uniform,
-        draft_ids,
-        cu_num_draft,
-        target_logits_indices,
-        metadata.bonus_logits_indices.to(device),
+        step.exponential,
+        step.exponential.stride(0),
+        step.uniform,
+        step.draft_ids,
+        step.cu_num_draft,
+        step.target_logits_indices,
+        step.bonus_logits_indices,
         is_greedy,
         num_rows,
         output_width,
         metadata.max_spec_len,
-        vocab_size,
-        chunk_columns,
+        step.vocab_size,
+        step.chunk_columns,
         num_chunks,
         NOISE_FLOOR,
         HAS_DRAFT_PROBS=has_draft_probs,
@@ -474,10 +444,10 @@ def block_verify_triton(
         probs.stride(0),
         draft_probs,
         draft_probs.stride(0),
-        uniform,
-        draft_ids,
-        cu_num_draft,
-        target_logits_indices,
+        step.uniform,
+        step.draft_ids,
+        step.cu_num_draft,
+        step.target_logits_indices,
         is_greedy,
         num_rows,
         output_width,

@@ -351,6 +351,80 @@ def _non_empty(tensor: torch.Tensor) -> torch.Tensor:
     return torch.zeros((1,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
 
 
+@dataclass
+class StepTensors:
+    """One step's tensors as both samplers' kernels read them (`rejection_sample_triton`,
+    `block_verify_triton`), on the logits' device, after the checks both make. A tensor no program
+    reads (p and the noise when every row is greedy, q for one-hot drafts) still needs a valid
+    pointer argument: logits stands in."""
+
+    logits: torch.Tensor  # contiguous
+    is_greedy: torch.Tensor  # [rows] bool
+    probs: torch.Tensor  # the target's p (`target_probabilities`); logits when every row is greedy
+    all_greedy: bool
+    uniform: torch.Tensor
+    exponential: torch.Tensor
+    draft_probs: torch.Tensor  # q; logits for one-hot drafts
+    has_draft_probs: bool
+    draft_ids: torch.Tensor
+    cu_num_draft: torch.Tensor
+    target_logits_indices: torch.Tensor
+    bonus_logits_indices: torch.Tensor
+    vocab_size: int
+    tiles: LaunchTiles
+    chunk_columns: int
+    num_chunks: int
+
+    @classmethod
+    def prepare(
+        cls,
+        metadata: SpecDecodeMetadata,
+        logits: torch.Tensor,
+        is_greedy: torch.Tensor,
+        draws: RandomDraws | None,
+        draft_probs: torch.Tensor | None,
+        tiles: LaunchTiles | None,
+    ) -> StepTensors:
+        if metadata.max_spec_len > MAX_SPEC_LEN:
+            raise ValueError(
+                f"the Triton rejection sampler takes at most {MAX_SPEC_LEN} drafts per row, "
+                f"got {metadata.max_spec_len}"
+            )
+        device = logits.device
+        interpreted = kernels_are_interpreted()
+        if device.type != "cuda" and not interpreted:
+            raise ValueError(
+                f"the Triton rejection sampler got {device.type} tensors; CPU tensors need TRITON_INTERPRET=1 "
+                "set before hf_specdec.kernels is first imported"
+            )
+        num_rows, output_width, vocab_size = metadata.num_rows, metadata.max_spec_len + 1, logits.shape[-1]
+        logits = logits.contiguous()
+        is_greedy = is_greedy.to(device=device, dtype=torch.bool).contiguous()
+        probs = target_probabilities(logits, is_greedy) if num_rows else None
+        if probs is not None and draws is None:
+            raise ValueError("rejection_sample needs random draws for sampled rows")
+        tiles = tiles or LaunchTiles.choose(max(num_rows, 1), output_width, vocab_size, interpreted)
+        chunk_columns, num_chunks = tiles.vocab_chunks(vocab_size)
+        return cls(
+            logits=logits,
+            is_greedy=is_greedy,
+            probs=logits if probs is None else probs,
+            all_greedy=probs is None,
+            uniform=logits if draws is None else _non_empty(draws.uniform.to(device).contiguous()),
+            exponential=logits if draws is None else draws.exponential.to(device).contiguous(),
+            draft_probs=logits if draft_probs is None else _non_empty(draft_probs.to(device).contiguous()),
+            has_draft_probs=draft_probs is not None,
+            draft_ids=_non_empty(metadata.draft_token_ids.to(device)),
+            cu_num_draft=metadata.cu_num_draft_tokens.to(device),
+            target_logits_indices=_non_empty(metadata.target_logits_indices.to(device)),
+            bonus_logits_indices=metadata.bonus_logits_indices.to(device),
+            vocab_size=vocab_size,
+            tiles=tiles,
+            chunk_columns=chunk_columns,
+            num_chunks=num_chunks,
+        )
+
+
 def rejection_sample_triton(
     metadata: SpecDecodeMetadata,
     logits: torch.Tensor,
@@ -366,43 +440,15 @@ def rejection_sample_triton(
     TRITON_INTERPRET=1 (the tests' way of running the kernels without a GPU). `tiles` overrides
     `LaunchTiles.choose` (tests run the GPU's tiles under the interpreter with it).
     """
-    if metadata.max_spec_len > MAX_SPEC_LEN:
-        raise ValueError(
-            f"the Triton rejection sampler takes at most {MAX_SPEC_LEN} drafts per row, "
-            f"got {metadata.max_spec_len}"
-        )
-    device = logits.device
-    interpreted = kernels_are_interpreted()
-    if device.type != "cuda" and not interpreted:
-        raise ValueError(
-            f"the Triton rejection sampler got {device.type} tensors; CPU tensors need TRITON_INTERPRET=1 "
-            "set before hf_specdec.kernels.rejection is first imported"
-        )
-    num_rows, output_width, vocab_size = metadata.num_rows, metadata.max_spec_len + 1, logits.shape[-1]
+    num_rows, output_width = metadata.num_rows, metadata.max_spec_len + 1
+    step = StepTensors.prepare(metadata, logits, is_greedy, draws, draft_probs, tiles)
+    device, tiles, num_chunks = step.logits.device, step.tiles, step.num_chunks
     # the accept kernel writes every column of every row, padding included
     output = torch.empty((num_rows, output_width), dtype=torch.int64, device=device)
     num_accepted = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows == 0:
         return output, num_accepted
-
-    logits = logits.contiguous()
-    is_greedy = is_greedy.to(device=device, dtype=torch.bool).contiguous()
-    probs = target_probabilities(logits, is_greedy)
-    all_greedy = probs is None
-    if probs is not None and draws is None:
-        raise ValueError("rejection_sample needs random draws for sampled rows")
-    # a tensor no program reads (p and the noise when every row is greedy, q for one-hot drafts)
-    # still needs a valid pointer argument: logits stands in
-    probs = logits if probs is None else probs
-    uniform = logits if draws is None else _non_empty(draws.uniform.to(device).contiguous())
-    exponential = logits if draws is None else draws.exponential.to(device).contiguous()
-    has_draft_probs = draft_probs is not None
-    draft_probs = _non_empty(draft_probs.to(device).contiguous()) if has_draft_probs else logits
-    draft_ids = _non_empty(metadata.draft_token_ids.to(device))
-    cu_num_draft = metadata.cu_num_draft_tokens.to(device)
-    target_logits_indices = _non_empty(metadata.target_logits_indices.to(device))
-    tiles = tiles or LaunchTiles.choose(num_rows, output_width, vocab_size, interpreted)
-    chunk_columns, num_chunks = tiles.vocab_chunks(vocab_size)
+    logits, is_greedy, probs, draft_probs = step.logits, step.is_greedy, step.probs, step.draft_probs
 
     best_values = torch.empty((num_rows, output_width, num_chunks), dtype=torch.float32, device=device)
     best_columns = torch.empty((num_rows, output_width, num_chunks), dtype=torch.int32, device=device)
@@ -420,21 +466,21 @@ def rejection_sample_triton(
         probs.stride(0),
         draft_probs,
         draft_probs.stride(0),
-        exponential,
-        exponential.stride(0),
-        uniform,
-        draft_ids,
-        cu_num_draft,
-        target_logits_indices,
-        metadata.bonus_logits_indices.to(device),
+        step.exponential,
+        step.exponential.stride(0),
+        step.uniform,
+        step.draft_ids,
+        step.cu_num_draft,
+        step.target_logits_indices,
+        step.bonus_logits_indices,
         is_greedy,
         num_rows,
         output_width,
-        vocab_size,
-        chunk_columns,
+        step.vocab_size,
+        step.chunk_columns,
         NOISE_FLOOR,
-        ALL_GREEDY=all_greedy,
-        HAS_DRAFT_PROBS=has_draft_probs,
+        ALL_GREEDY=step.all_greedy,
+        HAS_DRAFT_PROBS=step.has_draft_probs,
         BLOCK_ROWS=tiles.rows,
         BLOCK_POSITIONS=tiles.positions,
         BLOCK_V=tiles.vocab,
@@ -451,15 +497,15 @@ def rejection_sample_triton(
         probs.stride(0),
         draft_probs,
         draft_probs.stride(0),
-        uniform,
-        draft_ids,
-        cu_num_draft,
-        target_logits_indices,
+        step.uniform,
+        step.draft_ids,
+        step.cu_num_draft,
+        step.target_logits_indices,
         is_greedy,
         num_rows,
         output_width,
         num_chunks,
-        HAS_DRAFT_PROBS=has_draft_probs,
+        HAS_DRAFT_PROBS=step.has_draft_probs,
         PLACEHOLDER=PLACEHOLDER_TOKEN_ID,
         BLOCK_ROWS=tiles.accept_rows,
         BLOCK_SPEC=triton.next_power_of_2(output_width),
