@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 from transformers.utils.generic import TransformersKwargs
 
 from .forward import forward_tokens
-from .paged_attention import UnsupportedAttentionError, use_paged_attention
+from .paged_attention import ModelInUseError, UnsupportedAttentionError, use_paged_attention
 from .paged_cache import PagedKVCache, UnsupportedMaskError, UnsupportedModelError, layer_attention
 
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -58,6 +58,8 @@ def _verdict(model: PreTrainedModel) -> str:
             problem = _probe(model)
     except (UnsupportedModelError, UnsupportedAttentionError, UnsupportedMaskError) as error:
         problem = str(error)
+    except ModelInUseError:  # says nothing about the model: no verdict is kept
+        raise
     except Exception as error:  # anything a forward on the paged cache raises means it does not fit
         problem = f"its forward does not run on the paged KV cache ({type(error).__name__}: {error})"
     if not problem:

@@ -25,6 +25,7 @@ them: a silently dropped feature changes the output.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -171,6 +172,21 @@ AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
 
 
+class ModelInUseError(RuntimeError):
+    """Another thread is speculating with this model instance (see `use_paged_attention`)."""
+
+
+# id(model) -> (the thread inside use_paged_attention, its nesting depth)
+_IN_USE: dict[int, tuple[int, int]] = {}
+_IN_USE_LOCK = threading.Lock()
+
+
+def in_use_by_another_thread(model: PreTrainedModel) -> bool:
+    """Whether another thread is speculating on this model instance right now."""
+    owner = _IN_USE.get(id(model))
+    return owner is not None and owner[0] != threading.get_ident()
+
+
 @contextlib.contextmanager
 def use_paged_attention(model: PreTrainedModel) -> Iterator[None]:
     """Route the model's attention through the paged function for the duration of the block.
@@ -178,7 +194,21 @@ def use_paged_attention(model: PreTrainedModel) -> Iterator[None]:
     The previous implementation comes back afterwards, so plain `generate()` is untouched.
     Every config in the model that names an attention implementation is switched (the text
     config of a multimodal model, sub-configs of composite ones).
+
+    The switch is a setting of the model every forward reads, so one model instance speculates in
+    one thread at a time: a second thread is refused (RuntimeError) rather than left to run on the
+    other's attention, or to restore the wrong setting. Nesting in the same thread is fine.
     """
+    key, thread = id(model), threading.get_ident()
+    with _IN_USE_LOCK:
+        owner, depth = _IN_USE.get(key, (thread, 0))
+        if owner != thread:
+            raise ModelInUseError(
+                f"another thread is speculating with this {type(model).__name__} instance (as target or drafter); "
+                "its attention is switched for that call, so use one model (and drafter) instance per thread "
+                "(they may share a SuffixCache)"
+            )
+        _IN_USE[key] = (thread, depth + 1)
     configs = _attention_configs(model)
     previous = [config._attn_implementation for config in configs]
     try:
@@ -188,6 +218,11 @@ def use_paged_attention(model: PreTrainedModel) -> Iterator[None]:
     finally:
         for config, name in zip(configs, previous):
             config._attn_implementation = name
+        with _IN_USE_LOCK:
+            if depth:
+                _IN_USE[key] = (thread, depth)
+            else:
+                del _IN_USE[key]
 
 
 def _attention_configs(model: torch.nn.Module) -> list:

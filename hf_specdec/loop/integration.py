@@ -19,6 +19,7 @@ import functools
 from transformers import PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from ..cache.paged_attention import in_use_by_another_thread
 from .decoding import generate as speculative_generate
 
 
@@ -36,6 +37,11 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
         custom = kwargs.get("custom_generate")
         ours = custom is speculative_generate
         if speculative_config is None and not ours:
+            if in_use_by_another_thread(model):  # its attention is switched to the paged cache's now
+                raise RuntimeError(
+                    "another thread is generating with speculative_config on this model instance; plain generate() "
+                    "would run on its switched attention: use one model instance per thread"
+                )
             return original(*args, **kwargs)
         if custom is not None and not ours:
             raise ValueError(
