@@ -77,7 +77,7 @@ MODEL_CACHE_ATTRIBUTE = "hf_specdec_suffix_cache"
 # --- trie kernels --------------------------------------------------------------------------------
 
 
-@numba.njit(nogil=True, cache=False)
+@numba.njit(nogil=True, cache=True)
 def _child(nodes, root, node, token):
     """The child of `node` for `token`, or -1."""
     if node == 0:
@@ -90,7 +90,7 @@ def _child(nodes, root, node, token):
     return -1
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _bump(nodes, root, meta, node, token):
     """Count one more window through `node`'s child for `token` (created if missing); returns it.
 
@@ -134,7 +134,7 @@ def _bump(nodes, root, meta, node, token):
     return child
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _extend(nodes, root, meta, active, num_active, tokens, depth):
     """Append `tokens` to the sequence whose suffix nodes are `active[:num_active]` (active[d - 1]:
     the node of its last d tokens). Returns the new number of active nodes."""
@@ -147,7 +147,7 @@ def _extend(nodes, root, meta, active, num_active, tokens, depth):
     return num_active
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _follow(nodes, root, active, num_active, tokens, depth):
     """`_extend` without writing: the nodes of the context's suffixes in a trie that does not hold
     the context (-1 past the longest suffix found). Returns how many lead (all >= 0)."""
@@ -165,7 +165,7 @@ def _follow(nodes, root, active, num_active, tokens, depth):
     return num_active
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _rescan_best(nodes, node):
     """The most frequent child, ties to the one counted most recently: the first of the most
     frequent in the sibling list (most recently counted first, see `_bump`)."""
@@ -178,7 +178,7 @@ def _rescan_best(nodes, node):
     nodes[node, BEST] = best
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _remove(nodes, root, meta, sequence, depth):
     """Take the windows of `sequence` (as `_extend` added them) out of the trie; nodes whose count
     reaches 0 go to the free list."""
@@ -220,7 +220,7 @@ def _remove(nodes, root, meta, sequence, depth):
             break
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _best_path(nodes, active, num_active, depth, k, factor, min_prob, out, scratch):
     """The highest-scoring draft over every matched suffix length (see the module docstring),
     written to `out`; returns (its length, its score)."""
@@ -248,7 +248,7 @@ def _best_path(nodes, active, num_active, depth, k, factor, min_prob, out, scrat
     return best_count, best_score
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _draft(
     row_nodes, row_active, row_num_active, row_depth,
     global_nodes, global_active, global_num_active, global_depth,
