@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from ..transfer import to_device
 from .paged_cache import PagedKVCache
 
 
@@ -57,7 +58,7 @@ def forward_tokens(
             position_ids=position_ids[None, tokens],
             cache=cache,
             use_cache=True,
-            logits_to_keep=torch.from_numpy(kept).to(input_ids.device),
+            logits_to_keep=to_device([kept], input_ids.device)[0],
         ).logits[0]
 
     return run_rows(cache, rows, counts, keep, forward)

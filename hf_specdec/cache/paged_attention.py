@@ -6,9 +6,16 @@ another) and a `paged_metadata` kwarg that transformers forwards to the attentio
 to us as `key` / `value`; the forward's `PagedAttentionMetadata` comes as a `paged_metadata`
 keyword when the model passes its kwargs down, else from the cache write just before.
 
-Portable path (CPU, and CUDA without flash-attn): scatter the packed queries into a padded
-`[rows, max_query_len]` batch, gather each row's keys / values from its blocks, and run
-PyTorch's SDPA with the causal-within-the-draft-span mask the metadata builds.
+Two implementations, chosen per forward (`attention_backend`):
+- "triton" (CUDA, the default there): our Triton kernel (`kernels/paged_attention.py`) reads each
+  row's keys / values through the block table in place: no copy of the context per layer. The
+  model's mask is handed to it as causal + sliding window when it is transformers' own causal /
+  sliding-window function (read from the function itself, `structured_mask`), else evaluated into
+  a dense per-row mask it applies as given.
+- "torch" (CPU, and the reference): scatter the packed queries into a padded `[rows,
+  max_query_len]` batch, gather each row's keys / values from its blocks, and run PyTorch's SDPA
+  with the mask the metadata builds. A feature the kernel cannot take (MLA latents, a dtype other
+  than fp32 / bf16 / fp16) runs here too, with a one-time warning naming it.
 
 Masks: the model builds each layer's mask through transformers' `masking_utils` as it does for
 plain generate() (causal, sliding window, chunks: whatever it chose for the layer); our mask
@@ -25,13 +32,21 @@ them: a silently dropped feature changes the output.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    and_masks,
+    causal_mask_function,
+    sliding_window_overlay,
+)
 
 from .paged_cache import PagedAttentionMetadata, active_metadata, gather_rows
 
@@ -42,6 +57,26 @@ ATTENTION_NAME = "hf_specdec_paged"
 # at once. Every other keyword is recorded per forward, and the architecture probe refuses the
 # ones that are not plain forward flags (`architectures.py`), so nothing new passes unchecked.
 UNSUPPORTED_KEYWORDS = frozenset({"indices", "position_bias", "block_indices", "attention_chunk_size"})
+
+
+BACKEND_ENV_VAR = "HF_SPECDEC_ATTENTION_BACKEND"
+BACKENDS = ("auto", "triton", "torch")
+
+
+def attention_backend(device: torch.device) -> str:
+    """The implementation the paged attention runs for tensors on `device`: "triton" or "torch".
+
+    `$HF_SPECDEC_ATTENTION_BACKEND`, read once per forward: "auto" (the default) runs the Triton
+    kernel on CUDA when triton is installed and the reference otherwise; "triton" and "torch" force
+    one. Forcing "triton" on CPU needs TRITON_INTERPRET=1 set before triton is first imported
+    (Triton's interpreter: for tests).
+    """
+    choice = os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV_VAR}={choice!r} is not a backend; allowed: {', '.join(BACKENDS)}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+    return choice
 
 
 class UnsupportedAttentionError(ValueError):
@@ -96,6 +131,16 @@ def paged_attention_forward(
         meta.scratch.setdefault("layer_masks", {}).setdefault(getattr(module, "layer_idx", None), attention_mask)
     elif attention_mask is not None:
         meta.scratch["attention_mask_given"] = True  # a mask the model built itself, not through masking_utils
+    mask_function = attention_mask.mask_function if isinstance(attention_mask, ModelMask) else None
+    sink_logits = s_aux if s_aux is not None else sinks
+    if "attention_backend" not in meta.scratch:
+        meta.scratch["attention_backend"] = attention_backend(query.device)
+    if meta.scratch["attention_backend"] == "triton":
+        refused = _kernel_refuses(query, key, meta)
+        if refused is None:
+            return _kernel_attention(query, key, value, meta, mask_function, scaling, softcap, sink_logits), None
+        _warn_once(f"hf_specdec: the paged attention kernel cannot take {refused}; using the gather + SDPA path")
+
     num_rows, max_query_len = meta.query_valid.shape
     if meta.kv_gathered:
         keys, values = key, value
@@ -108,8 +153,7 @@ def paged_attention_forward(
         queries = query[0].transpose(0, 1).index_select(0, meta.query_index)
         queries = queries.view(num_rows, max_query_len, -1, head_dim).transpose(1, 2)
 
-    mask = meta.attention_mask(attention_mask.mask_function if isinstance(attention_mask, ModelMask) else None)
-    sink_logits = s_aux if s_aux is not None else sinks
+    mask = meta.attention_mask(mask_function)
     if softcap is None and sink_logits is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != queries.shape[1]
@@ -120,6 +164,96 @@ def paged_attention_forward(
     if meta.query_index is None:
         return out, None
     return out[meta.query_valid].unsqueeze(0), None
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def _kernel_refuses(query: torch.Tensor, key: torch.Tensor, meta: PagedAttentionMetadata) -> str | None:
+    """Why the kernel cannot run this layer (None: it can)."""
+    if meta.kv_gathered:
+        return "MLA latents (the cache hands attention each row's expanded keys, not the pool)"
+    if query.dtype not in _KERNEL_DTYPES or key.dtype != query.dtype:
+        return f"query dtype {query.dtype} with key dtype {key.dtype} (it takes float32, bfloat16, float16)"
+    if query.shape[-1] != key.shape[-1]:
+        return f"queries of width {query.shape[-1]} against keys of width {key.shape[-1]}"
+    return None
+
+
+# the code objects of transformers' mask factories, to recognise the functions they build
+_AND_MASKS_CODE = and_masks(causal_mask_function).__code__
+_SLIDING_WINDOW_CODE = sliding_window_overlay(1).__code__
+
+
+def _closure(function: Callable) -> dict:
+    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__ or ())))
+
+
+def structured_mask(mask_function: Callable | None) -> tuple[bool, int | None]:
+    """(is it causal + window, the window) for a layer's mask function.
+
+    transformers' causal function, and `and_masks` of it with sliding-window overlays (what
+    `create_sliding_window_causal_mask` builds), are recognised from the functions themselves (their
+    code and the window their closure holds), so the kernel computes them from positions alone.
+    Anything else (chunks, padding, image-token overlays, a function of the model's own) gives
+    (False, None): the kernel then applies the function evaluated into a dense mask.
+    """
+    if mask_function is None or mask_function is causal_mask_function:
+        return True, None
+    if getattr(mask_function, "__code__", None) is not _AND_MASKS_CODE:
+        return False, None
+    causal, window = False, None
+    for part in _closure(mask_function).get("mask_functions", ()):
+        if part is causal_mask_function:
+            causal = True
+        elif getattr(part, "__code__", None) is _SLIDING_WINDOW_CODE and isinstance(
+            size := _closure(part).get("sliding_window"), int
+        ):
+            window = size if window is None else min(window, size)
+        else:
+            return False, None
+    return (True, window) if causal else (False, None)
+
+
+def _kernel_attention(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    mask_function: Callable | None,
+    scaling: float | None,
+    softcap: float | None,
+    sink_logits: torch.Tensor | None,
+) -> torch.Tensor:
+    """The Triton kernel over the pool in place; `[1, tokens, heads, dim]`."""
+    from ..kernels.paged_attention import paged_attention  # triton is optional: imported when used
+
+    causal, window = structured_mask(mask_function)
+    dense = None if causal else meta.attention_mask(mask_function)[:, 0]  # the tree mask is inside it
+    out = paged_attention(
+        query[0].transpose(0, 1),
+        key_pool,
+        value_pool,
+        meta.block_table,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scaling if scaling is not None else query.shape[-1] ** -0.5,
+        max_query_len=meta.query_valid.shape[1],
+        max_seq_len=meta.max_seq_len,
+        window=window,
+        mask=dense,
+        tree_mask=meta.tree_mask if causal else None,
+        softcap=softcap,
+        sinks=sink_logits,
+    )
+    return out.unsqueeze(0)
 
 
 def _check_features(module: torch.nn.Module, dropout: float, is_causal: bool | None, extra: dict) -> None:

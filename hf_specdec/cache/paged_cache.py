@@ -38,6 +38,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
+from ..transfer import to_device
 from .recurrent import RECURRENT_AND_ATTENTION_LAYER_TYPES, RECURRENT_LAYER_TYPES, RecurrentStates
 
 # The metadata of the forward in progress, published by each cache write for the attention function
@@ -170,6 +171,11 @@ class PagedAttentionMetadata:
     query_valid: torch.Tensor  # [num_rows, max_query_len] bool
     query_positions: torch.Tensor  # [num_rows, max_query_len] each query's index in its row (its position)
     key_span: int  # S: keys per row in the gathered layout (key j of a row is its token j)
+    max_seq_len: int = 0  # max of seq_lens, known on the host (the kernel sizes its launch by it)
+    # [num_rows, max_query_len, max_query_len] bool for tree drafts: among a row's new tokens, token a
+    # sees token b iff tree_mask[row, a, b] (its ancestors and itself), replacing causal order there;
+    # the row's context stays visible. None: the new tokens are a chain (causal).
+    tree_mask: torch.Tensor | None = None
     # One row whose blocks are consecutive in the pool (the usual case at batch size 1, since
     # blocks are handed out lowest id first): (first slot, length) lets attention read the pool
     # in place instead of gathering.
@@ -209,10 +215,22 @@ class PagedAttentionMetadata:
                     f"types) that the packed varlen layout does not have ({error})"
                 ) from error
             mask = mask & (keys < self.seq_lens[:, None, None, None])
+        if self.tree_mask is not None:
+            mask = self._with_tree(mask, keys)
         mask = mask & self.query_valid[:, None, :, None]
         mask[..., 0] |= ~self.query_valid[:, None, :]  # padded queries attend somewhere: no empty softmax
         self.scratch[key] = mask
         return mask
+
+    def _with_tree(self, mask: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """`mask` with each row's new-token keys decided by `tree_mask` instead."""
+        num_rows, max_query_len = self.query_valid.shape
+        first_new = (self.seq_lens - self.query_valid.sum(dim=1))[:, None, None, None]
+        offset = keys - first_new  # [rows, 1, 1, S]: index among the row's new tokens
+        is_new = (offset >= 0) & (keys < self.seq_lens[:, None, None, None])
+        index = offset.clamp(0, max_query_len - 1).expand(num_rows, 1, max_query_len, self.key_span)
+        tree = torch.gather(self.tree_mask[:, None], 3, index)
+        return torch.where(is_new, tree, mask)
 
     def count(self, event: str) -> None:
         """Tally a per-forward event ("cache_writes", "attention_calls"): the architecture probe reads them."""
@@ -450,18 +468,20 @@ class PagedKVCache(Cache):
             contiguous_kv = (tables[0][0] * block_size, int(seq_lens[0]))
             key_span = int(seq_lens[0])
 
-        def as_tensor(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
-
+        slot_mapping, query_start_loc, seq_lens_t, block_table_t, query_index_t, query_valid, query_positions = to_device(
+            [slot_mapping, query_start_loc, seq_lens, block_table, query_index.reshape(-1), query_valid, query_positions],
+            self.device,
+        )
         self.forward_metadata = PagedAttentionMetadata(
-            slot_mapping=as_tensor(slot_mapping),
-            query_start_loc=as_tensor(query_start_loc),
-            seq_lens=as_tensor(seq_lens),
-            block_table=as_tensor(block_table),
-            query_index=None if num_rows == 1 else as_tensor(query_index.reshape(-1)),
-            query_valid=as_tensor(query_valid),
-            query_positions=as_tensor(query_positions),
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_t,
+            block_table=block_table_t,
+            query_index=None if num_rows == 1 else query_index_t,
+            query_valid=query_valid,
+            query_positions=query_positions,
             key_span=key_span,
+            max_seq_len=int(seq_lens.max()),
             contiguous_kv=contiguous_kv,
             kv_gathered=self.gathered,
         )

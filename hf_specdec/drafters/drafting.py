@@ -31,6 +31,7 @@ from ..cache.forward import forward_tokens
 from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
 from ..sampling.logits_processing import _POSITION_FREE
+from ..transfer import to_device
 from .base import ProposeRequest
 
 # the exponential race divides by E ~ Exp(1): a draw of 0 must not divide by zero (as the rejection sampler)
@@ -194,8 +195,7 @@ def autoregressive_drafts(
             cache,
             active_rows,
             lengths.tolist(),
-            torch.from_numpy(np.concatenate(inputs)).to(device),
-            torch.from_numpy(positions).to(device),
+            *to_device([np.concatenate(inputs), positions], device),
             keep,
         )
         tokens, q = picker.pick(logits, active_rows)

@@ -33,6 +33,7 @@ from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
 from ..heads.eagle_heads import EagleHead, load_eagle_head
 from ..models.feature_capture import decoder_parts
+from ..transfer import to_device
 from .base import DraftProposal, ProposeRequest
 from .drafting import drafter_pool_blocks, rows_to_feed
 from .on_disk import load_cached
@@ -126,12 +127,13 @@ class EagleProposer:
             self._rollback(row, length - 1 - count)
         tokens = np.concatenate([request.token_ids[i][n - m : n] for i, n, m in zip(active, lengths, counts)])
         positions = np.concatenate([np.arange(n - 1 - m, n - 1) for n, m in zip(lengths, counts)])
+        token_ids, position_ids = to_device([tokens.astype(np.int64), positions], device)
         hidden = self._forward(
             rows,
             counts,
-            torch.from_numpy(tokens.astype(np.int64)).to(device),
+            token_ids,
             torch.cat(features).to(device=device, dtype=head.fc.weight.dtype),
-            torch.from_numpy(positions).to(device),
+            position_ids,
             fuse_features=True,
         )
         drafting = np.flatnonzero(wanted >= 1)
@@ -139,20 +141,27 @@ class EagleProposer:
         out = torch.zeros((len(active), self.k), dtype=torch.long, device=device)
         if len(drafting):
             last = np.cumsum(counts)[drafting] - 1  # each drafting row's last pair
-            hidden = hidden[torch.from_numpy(last).to(device)]
+            last_index, drafting_index = to_device([last, drafting], device)
+            hidden = hidden[last_index]
             draft = self._greedy(hidden)
-            out[torch.from_numpy(drafting).to(device), 0] = draft
+            out[drafting_index, 0] = draft
 
         # 2..k: one (own output as feature, previous draft) pair per row still drafting
         for step in range(1, int(wanted.max(initial=0))):
             still = np.flatnonzero(wanted > step)
-            keep = torch.from_numpy(np.flatnonzero(np.isin(drafting, still))).to(device)
-            hidden, draft, drafting = hidden[keep], draft[keep], still
             still_rows = [rows[j] for j in still]
-            positions = torch.tensor([self.cache.seq_lens[r] for r in still_rows], device=device)
+            keep, positions, still_index = to_device(
+                [
+                    np.flatnonzero(np.isin(drafting, still)),
+                    np.array([self.cache.seq_lens[r] for r in still_rows], dtype=np.int64),
+                    still,
+                ],
+                device,
+            )
+            hidden, draft, drafting = hidden[keep], draft[keep], still
             hidden = self._forward(still_rows, [1] * len(still), draft, hidden, positions, fuse_features=False)
             draft = self._greedy(hidden)
-            out[torch.from_numpy(still).to(device), step] = draft
+            out[still_index, step] = draft
 
         out = out.cpu().numpy()
         for j, i in enumerate(active):

@@ -42,6 +42,7 @@ from ..sampling.logits_processing import (
 )
 from ..sampling.metadata import SpecDecodeMetadata
 from ..sampling.rejection_sampler import draw_random, rejection_sample
+from ..transfer import to_device
 from .auto_k import AutoKController
 from .metrics import SpecDecodeMetrics
 from .prefill import check_model_prefill, prefill_with_model
@@ -232,7 +233,7 @@ def speculative_step(
     clock = time.perf_counter()
     pending = [state.pending_tokens(r) for r in rows]
     num_pending = np.array([len(p) for p in pending], dtype=np.int64)
-    segments = [torch.cat([p, torch.from_numpy(d)]) for p, d in zip(pending, proposal.draft_token_ids)]
+    segments = [np.concatenate([p.numpy(), d]) for p, d in zip(pending, proposal.draft_token_ids)]
     segment_lens = num_pending + num_draft
     positions = np.concatenate([np.arange(c, c + n) for c, n in zip(state.num_cached[rows], segment_lens)])
     segment_ends = np.cumsum(segment_lens)
@@ -240,10 +241,8 @@ def speculative_step(
     keep = np.concatenate([np.arange(end - n - 1, end) for end, n in zip(segment_ends, num_draft)])
     if features is not None:
         features.begin_forward()
-    logits = forward_tokens(
-        model, cache, rows.tolist(), segment_lens.tolist(), torch.cat(segments).to(model.device),
-        torch.from_numpy(positions).to(model.device), keep,
-    ).float()
+    input_ids, position_ids = to_device([np.concatenate(segments), positions], model.device)
+    logits = forward_tokens(model, cache, rows.tolist(), segment_lens.tolist(), input_ids, position_ids, keep).float()
     metrics.record_kv_usage(cache.num_blocks_used, cache.blocks_needed(state.num_cached[rows] + num_pending))
     metrics.verify_seconds += time.perf_counter() - clock
 
@@ -257,21 +256,21 @@ def speculative_step(
     generators = [sampling.generators[r] for r in rows]
     draws = None if all(g is None for g in generators) else draw_random(generators, spec, logits.shape[-1], logits.device)
     output_tokens, num_accepted = rejection_sample(
-        spec, processed, sampling.is_greedy[torch.from_numpy(rows).to(model.device)], draws=draws,
+        spec, processed, sampling.is_greedy[to_device([rows], model.device)[0]], draws=draws,
         draft_probs=proposal.draft_probs, method=config.rejection_sample_method,
     )
     metrics.sampler_seconds += time.perf_counter() - clock
 
-    # 4. emit, stop, roll back
-    num_accepted = num_accepted.cpu().numpy()
-    output_tokens = output_tokens.cpu()
+    # 4. emit, stop, roll back; the step's one device-to-host transfer (a sync on GPUs)
+    accepted_and_tokens = torch.cat([num_accepted[:, None].to(output_tokens.dtype), output_tokens], dim=1).cpu()
+    num_accepted, output_tokens = accepted_and_tokens[:, 0].numpy(), accepted_and_tokens[:, 1:]
     for i, row in enumerate(rows):
         state.token_buffer[row, seq_lens[i] : seq_lens[i] + num_accepted[i] + 1] = output_tokens[i, : num_accepted[i] + 1]
     num_kept, stopped = stop_checker.first_stop(state.token_buffer, rows, seq_lens, num_accepted + 1)
     metrics.record_step(spec.num_draft_tokens, num_accepted.tolist(), k)
     metrics.num_emitted_tokens += int(num_kept.sum())
 
-    first_logit = (spec.bonus_logits_indices.cpu().numpy() - num_draft)
+    first_logit = np.cumsum(num_draft + 1) - (num_draft + 1)  # each row's first kept logit
     emitted = []
     for i, row in enumerate(rows):
         start, kept = int(seq_lens[i]), int(num_kept[i])

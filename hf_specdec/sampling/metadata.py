@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..transfer import to_device
+
 
 @dataclass
 class SpecDecodeMetadata:
@@ -32,16 +34,14 @@ class SpecDecodeMetadata:
         offset_in_row = np.arange(int(num_draft.sum())) - np.repeat(cu_num_draft - num_draft, num_draft)
         target_indices = first_logit[row_of_draft] + offset_in_row
         flat = np.concatenate(draft_token_ids) if len(draft_token_ids) else np.zeros(0)
-
-        def as_tensor(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
-
+        arrays = [np.asarray(a, dtype=np.int64) for a in (flat, cu_num_draft, target_indices, bonus_indices)]
+        flat_t, cu_num_draft_t, target_indices_t, bonus_indices_t = to_device(arrays, device)
         return cls(
-            draft_token_ids=as_tensor(flat),
+            draft_token_ids=flat_t,
             num_draft_tokens=num_draft.tolist(),
-            cu_num_draft_tokens=as_tensor(cu_num_draft),
-            target_logits_indices=as_tensor(target_indices),
-            bonus_logits_indices=as_tensor(bonus_indices),
+            cu_num_draft_tokens=cu_num_draft_t,
+            target_logits_indices=target_indices_t,
+            bonus_logits_indices=bonus_indices_t,
             max_spec_len=int(num_draft.max(initial=0)),
         )
 
