@@ -180,27 +180,38 @@ def autoregressive_drafts(
     Returns the drafts of each row and, when sampling, each row's q stacked `[drafts, vocab]`
     (empty list entries when greedy).
     """
-    drafts: list[list[int]] = [[] for _ in rows]
-    probs: list[list[torch.Tensor]] = [[] for _ in rows]
+    # which rows draft at each step follows from max_draft alone, so the drafts stay on the device
+    # and are fed back from there: one transfer to the host at the end, not one sync per draft step
     active = [i for i in range(len(rows)) if max_draft[i] > 0]
-    inputs = [np.asarray(feeds[i], dtype=np.int64) for i in active]
+    lengths = np.array([len(feeds[i]) for i in active], dtype=np.int64)
+    (fed,) = to_device([np.concatenate([np.asarray(feeds[i], dtype=np.int64) for i in active] or [np.zeros(0, np.int64)])], device)
+    steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (rows drafting, their tokens, q)
+    drafted = np.zeros(len(rows), dtype=np.int64)
     while active:
         active_rows = [int(rows[i]) for i in active]
-        lengths = np.array([len(x) for x in inputs], dtype=np.int64)
         starts = np.array([cache.seq_lens.get(row, 0) for row in active_rows], dtype=np.int64)
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
         keep = np.cumsum(lengths) - 1  # each row's last fed token predicts its next draft
-        logits = forward_tokens(
-            model,
-            cache,
-            active_rows,
-            lengths.tolist(),
-            *to_device([np.concatenate(inputs), positions], device),
-            keep,
-        )
+        (position_ids,) = to_device([positions], device)
+        logits = forward_tokens(model, cache, active_rows, lengths.tolist(), fed, position_ids, keep)
         tokens, q = picker.pick(logits, active_rows)
-        active = [active[j] for j in append_picks(active, tokens, q, drafts, probs, max_draft)]
-        inputs = [np.array(drafts[i][-1:], dtype=np.int64) for i in active]
+        steps.append((active, tokens, q))
+        drafted[active] += 1
+        wanting = [j for j, i in enumerate(active) if drafted[i] < max_draft[i]]
+        active = [active[j] for j in wanting]
+        lengths = np.ones(len(active), dtype=np.int64)
+        if active:
+            fed = tokens[to_device([np.array(wanting, dtype=np.int64)], device)[0]]
+    drafts: list[list[int]] = [[] for _ in rows]
+    probs: list[list[torch.Tensor]] = [[] for _ in rows]
+    host_tokens = torch.cat([tokens for _, tokens, _ in steps]).cpu().numpy() if steps else np.zeros(0, np.int64)
+    offset = 0
+    for step_rows, _, q in steps:
+        for j, i in enumerate(step_rows):
+            drafts[i].append(int(host_tokens[offset + j]))
+            if q is not None:
+                probs[i].append(q[j])
+        offset += len(step_rows)
     draft_arrays = [np.array(d, dtype=np.int64) for d in drafts]
     return draft_arrays, [torch.stack(p) if p else None for p in probs]
 
