@@ -133,6 +133,10 @@ def paged_attention_forward(
         meta.scratch["attention_mask_given"] = True  # a mask the model built itself, not through masking_utils
     mask_function = attention_mask.mask_function if isinstance(attention_mask, ModelMask) else None
     sink_logits = s_aux if s_aux is not None else sinks
+    if meta.tree_mask is not None and structured_mask(mask_function)[1] is not None:
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__} has a sliding-window layer: tree drafts are not supported with sliding windows"
+        )
     if "attention_backend" not in meta.scratch:
         meta.scratch["attention_backend"] = attention_backend(query.device)
     if meta.scratch["attention_backend"] == "triton":

@@ -19,6 +19,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation import logits_process, stopping_criteria
 
+from ..transfer import to_device
 from .grammar import SpeculativeGrammar
 
 # Processors whose output does not depend on input_ids: one call covers every position.
@@ -79,7 +80,7 @@ def _for_rows(processor, batch_rows: np.ndarray):
     ignore = getattr(processor, "prompt_ignore_length", None)
     if isinstance(ignore, torch.Tensor):
         processor = copy.copy(processor)
-        processor.prompt_ignore_length = ignore[torch.from_numpy(batch_rows).to(ignore.device)]
+        processor.prompt_ignore_length = ignore[to_device([batch_rows], ignore.device)[0]]
     return processor
 
 
@@ -112,14 +113,14 @@ def process_logits(
             scores = processor.process(scores, token_buffer, buffer_rows, prefix_lens)
             continue
         if isinstance(processor, _POSITION_FREE):
-            scores = processor(token_buffer[:1].to(scores.device), scores)
+            scores = processor(to_device([token_buffer[:1].numpy()], scores.device)[0], scores)
             continue
         processed = torch.empty_like(scores)
 
         def apply(input_ids: torch.Tensor, positions: np.ndarray, processor=processor, scores=scores, out=processed):
-            index = torch.from_numpy(positions).to(scores.device)
+            index, input_ids = to_device([positions, input_ids.numpy()], scores.device)
             row_processor = _for_rows(processor, buffer_rows[positions])
-            out[index] = row_processor(input_ids.to(scores.device), scores[index].clone())
+            out[index] = row_processor(input_ids, scores[index].clone())
 
         _by_prefix_length(token_buffer, buffer_rows, prefix_lens, apply)
         scores = processed
