@@ -4,7 +4,7 @@ Keys follow vLLM's `--speculative-config` (method, model, num_speculative_tokens
 prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, the suffix_* options of its suffix
 decoding, rejection_sample_method) plus a few of our own (prompt_lookup_num_tokens, seed,
 block_size, num_kv_blocks, early_exit_layer, max_speculative_tokens, cpu_linear_backend,
-suffix_first, suffix_cache).
+suffix_first, suffix_cache, tree).
 Every invalid value raises `ValueError` naming the field and what is allowed.
 """
 
@@ -22,6 +22,91 @@ AUTO = "auto"
 DEFAULT_MAX_AUTO_TOKENS = 8
 CPU_LINEAR_BACKENDS = ("auto", "numba", "onednn", "torch")
 REJECTION_SAMPLE_METHODS = ("token", "block")
+TREE_METHODS = ("ngram", "eagle", "eagle3", "draft_model")
+MAX_TREE_NODES = 256
+MAX_TREE_TOPK = 16
+DEFAULT_TREE_TOPK = 4
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """The draft tree a drafter builds for each row every step (`speculative_config["tree"]`).
+
+    Dynamic (EAGLE-2): expand the `topk` best children of the best nodes, depth after depth, ranking
+    nodes by their cumulative draft log-probability, and keep the `num_nodes` best overall, at most
+    `depth` deep. Static: the nodes are `static_paths`, each given as its path of child ranks from
+    the root ((0,) the best child of the root, (0, 1) the second-best child of that), the layout the
+    EAGLE authors and Medusa publish.
+    """
+
+    num_nodes: int
+    topk: int
+    depth: int
+    static_paths: tuple[tuple[int, ...], ...] | None = None
+
+    @classmethod
+    def parse(cls, value: Any, max_depth: int) -> TreeSpec:
+        """From the `tree` key's value: {"num_nodes", "topk", "depth"} or {"static": [[...], ...]}."""
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"speculative_config.tree={value!r} is invalid; allowed: None, "
+                '{"num_nodes": N, "topk": K, "depth": D} or {"static": [[0], [1], [0, 0], ...]}'
+            )
+        if "static" in value:
+            extra = sorted(set(value) - {"static"})
+            if extra:
+                raise ValueError(f"speculative_config.tree: a static tree takes only 'static', got also {extra}")
+            return cls._static(value["static"], max_depth)
+        unknown = sorted(set(value) - {"num_nodes", "topk", "depth"})
+        if unknown:
+            raise ValueError(f"speculative_config.tree has unknown keys {unknown}; allowed: num_nodes, topk, depth, static")
+        num_nodes, topk = value.get("num_nodes"), value.get("topk", DEFAULT_TREE_TOPK)
+        depth = value.get("depth", max_depth)
+        if not _is_int_in(num_nodes, 1, MAX_TREE_NODES):
+            raise ValueError(
+                f"speculative_config.tree.num_nodes={num_nodes!r} is out of range; allowed: an integer from 1 to {MAX_TREE_NODES}"
+            )
+        if not _is_int_in(topk, 1, MAX_TREE_TOPK):
+            raise ValueError(
+                f"speculative_config.tree.topk={topk!r} is out of range; allowed: an integer from 1 to {MAX_TREE_TOPK}"
+            )
+        if not _is_int_in(depth, 1, max_depth):
+            raise ValueError(
+                f"speculative_config.tree.depth={depth!r} is out of range; allowed: an integer from 1 to "
+                f"num_speculative_tokens ({max_depth})"
+            )
+        return cls(num_nodes=num_nodes, topk=topk, depth=depth)
+
+    @classmethod
+    def _static(cls, paths: Any, max_depth: int) -> TreeSpec:
+        valid = isinstance(paths, (list, tuple)) and paths and all(
+            isinstance(path, (list, tuple)) and path and all(_is_int_in(rank, 0, MAX_TREE_TOPK - 1) for rank in path)
+            for path in paths
+        )
+        if not valid:
+            raise ValueError(
+                "speculative_config.tree.static must be a non-empty list of paths, each a non-empty list of child "
+                f"ranks from 0 to {MAX_TREE_TOPK - 1} (e.g. [[0], [1], [0, 0]])"
+            )
+        nodes = [tuple(path) for path in paths]
+        if len(set(nodes)) != len(nodes):
+            raise ValueError("speculative_config.tree.static lists a path twice; each node must appear once")
+        missing = sorted({node[:-1] for node in nodes if len(node) > 1} - set(nodes))
+        if missing:
+            raise ValueError(
+                f"speculative_config.tree.static is not a tree: the paths {[list(m) for m in missing]} are prefixes of "
+                "other paths but not listed themselves"
+            )
+        if len(nodes) > MAX_TREE_NODES:
+            raise ValueError(f"speculative_config.tree.static has {len(nodes)} nodes; allowed: at most {MAX_TREE_NODES}")
+        depth = max(len(node) for node in nodes)
+        if depth > max_depth:
+            raise ValueError(
+                f"speculative_config.tree.static is {depth} deep; allowed: at most num_speculative_tokens ({max_depth})"
+            )
+        nodes.sort(key=lambda node: (len(node), node))  # parents first, siblings by rank
+        topk = max(node[-1] for node in nodes) + 1
+        return cls(num_nodes=len(nodes), topk=topk, depth=depth, static_paths=tuple(nodes))
 
 
 @dataclass(frozen=True)
@@ -70,6 +155,9 @@ class SpeculativeConfig:
         rejection_sample_method: "token" (default: each draft token accepted on its own) or "block"
             (block verification, Sun et al. 2024: whole draft blocks, a higher expected accepted length;
             sampled rows only, greedy rows accept the same either way).
+        tree: draft a tree per row instead of a chain (`TreeSpec`; methods ngram, eagle, eagle3,
+            draft_model): {"num_nodes": N, "topk": K, "depth": D} (dynamic, EAGLE-2; depth defaults to
+            num_speculative_tokens, the deepest a path may go) or {"static": [[0], [1], [0, 0], ...]}.
         cpu_linear_backend: how the target's and drafter's fp32 CPU linears run while speculating:
             "auto" (default: per input row count, the fastest of torch's BLAS (asked two ways),
             oneDNN and our numba kernel, timed once per machine on the model's own linears and stored:
@@ -99,6 +187,7 @@ class SpeculativeConfig:
     suffix_min_token_prob: float = 0.1
     suffix_cache: Any = None
     rejection_sample_method: str = "token"
+    tree: Any = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -128,6 +217,22 @@ class SpeculativeConfig:
                 f"speculative_config.rejection_sample_method={self.rejection_sample_method!r} is unknown; "
                 f"allowed: {', '.join(REJECTION_SAMPLE_METHODS)}"
             )
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        if self.tree is None or isinstance(self.tree, TreeSpec):
+            return
+        if self.method not in TREE_METHODS:
+            raise ValueError(
+                f"speculative_config.tree is not supported with method={self.method!r}; allowed with: {', '.join(TREE_METHODS)}"
+            )
+        if self.auto_k:
+            raise ValueError(f"speculative_config.tree needs a fixed num_speculative_tokens (the deepest path), not {AUTO!r}")
+        if self.ngram_first or self.suffix_first:
+            raise ValueError("speculative_config.tree cannot be combined with an n-gram / suffix stage first (prompt_lookup_*, suffix_first)")
+        if self.rejection_sample_method != "token":
+            raise ValueError("speculative_config.tree verifies with multi-candidate rejection; allowed rejection_sample_method: 'token'")
+        object.__setattr__(self, "tree", TreeSpec.parse(self.tree, self.num_speculative_tokens))
 
     def _check_suffix(self) -> None:
         if not isinstance(self.suffix_first, bool):

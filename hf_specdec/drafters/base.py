@@ -34,6 +34,9 @@ class ProposeRequest:
 class DraftProposal:
     draft_token_ids: list[np.ndarray]  # per row, 0..max_draft_tokens[i] tokens
     draft_probs: torch.Tensor | None = None  # [sum of draft lengths, vocab] q of each draft, None = one-hot
+    # per row, the parent of each draft (`sampling/tree.py`): the drafts form a tree; None = chains.
+    # Tree drafts are the drafter's ranked candidates (one-hot: draft_probs stays None)
+    draft_parents: list[np.ndarray] | None = None
 
     @property
     def num_draft_tokens(self) -> list[int]:
