@@ -47,7 +47,9 @@ def build_proposer(
     there, unused by the other drafters).
     """
     if config.method == "ngram":
-        return NgramProposer(config.max_draft_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        return NgramProposer(
+            config.max_draft_tokens, config.prompt_lookup_min, config.prompt_lookup_max, tree=config.tree
+        )
     if config.suffix_first:  # the suffix lookup, then whatever the rest of the config builds
         lookup = SuffixProposer.from_config(config, target_model)
         rest = dataclasses.replace(config, suffix_first=False, suffix_cache=None)
