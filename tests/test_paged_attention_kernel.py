@@ -125,12 +125,15 @@ def random_tree(generator: torch.Generator, q_len: int) -> torch.Tensor:
     return tree
 
 
-def tree_masks(case: Case, seed: int) -> torch.Tensor:
+def tree_masks(case: Case, seed: int, extra: int = 3) -> torch.Tensor:
+    """[rows, max_query_len, T] over each row's last T = max_query_len + extra keys: a random tree
+    among its new tokens (the last q_len columns) and random visibility of the keys before them (as a
+    drafter's own earlier tree entries)."""
     generator = torch.Generator().manual_seed(seed)
-    width = case.max_query_len
-    masks = torch.zeros(len(case.q_lens), width, width, dtype=torch.bool)
+    width = case.max_query_len + extra
+    masks = torch.rand(len(case.q_lens), case.max_query_len, width, generator=generator) < 0.5
     for row, q_len in enumerate(case.q_lens):
-        masks[row, :q_len, :q_len] = random_tree(generator, q_len)
+        masks[row, :q_len, width - q_len :] = random_tree(generator, q_len)
     return masks
 
 
@@ -180,10 +183,12 @@ def reference(
         if mask is not None:
             visible = mask[row, :q_len, :seq_len]
         else:
-            if tree_mask is not None:
-                new_visible = torch.zeros(q_len, seq_len, dtype=torch.bool)
-                new_visible[:, context:] = tree_mask[row, :q_len, :q_len]
-                visible = (j[None, :] < context) | new_visible
+            if tree_mask is not None:  # the row's last T keys follow the tree mask
+                span = tree_mask.shape[2]
+                in_tree = j >= seq_len - span
+                tree_visible = torch.zeros(q_len, seq_len, dtype=torch.bool)
+                tree_visible[:, in_tree] = tree_mask[row, :q_len, span - int(in_tree.sum()) :]
+                visible = ~in_tree[None, :] | tree_visible
             else:
                 visible = j[None, :] <= position
             if window is not None:
@@ -347,8 +352,8 @@ def test_dense_mask_and_a_query_that_sees_nothing(kernels, with_sinks):
 
 @pytest.mark.parametrize("window", [None, 30])
 def test_tree_mask(kernels, window):
-    """Draft trees: each new token sees the whole context (within the window) and, among the new
-    tokens, exactly its ancestors and itself."""
+    """Draft trees: each new token sees the keys before the row's last T (within the window) and, among
+    those T, exactly what the tree mask says (its ancestors and itself among the new tokens)."""
     case = make_case(6, Q_LENS, CONTEXTS, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
     trees = tree_masks(case, 7)
     expected = reference(case, window=window, tree_mask=trees)

@@ -19,6 +19,7 @@ def run_rows(
     counts: list[int],
     keep: np.ndarray,
     forward: Callable[[slice, np.ndarray], torch.Tensor],
+    tree_mask: np.ndarray | None = None,
 ) -> torch.Tensor:
     """One forward over every row's new tokens, packed, or one per row when the cache holds recurrent
     state (`one_row_per_forward`); the outputs at `keep` in order.
@@ -26,11 +27,13 @@ def run_rows(
     `counts[i]` new tokens of `rows[i]`, packed row after row; `keep`: sorted indices into those
     packed tokens. `forward(tokens, keep)` runs the model on the packed tokens `tokens` (a slice,
     after this function's `prepare_forward` for them) and returns its outputs at `keep`, indices
-    into that slice.
+    into that slice. `tree_mask`: the rows' draft trees (`PagedAttentionMetadata.tree_mask`).
     """
     if not cache.one_row_per_forward:
-        cache.prepare_forward(rows, counts)
+        cache.prepare_forward(rows, counts, tree_mask=tree_mask)
         return forward(slice(0, int(sum(counts))), keep)
+    if tree_mask is not None:
+        raise ValueError("draft trees are not supported on models with recurrent layers (their state follows one path)")
     outputs, start = [], 0
     for row, count in zip(rows, counts):
         cache.prepare_forward([row], [int(count)])
@@ -48,6 +51,7 @@ def forward_tokens(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     keep: np.ndarray,
+    tree_mask: np.ndarray | None = None,
 ) -> torch.Tensor:
     """The model's logits `[len(keep), vocab]` at packed positions `keep` after feeding `counts[i]`
     new tokens of each row (`input_ids` / `position_ids`: `[sum(counts)]`, on the model's device)."""
@@ -61,4 +65,4 @@ def forward_tokens(
             logits_to_keep=to_device([kept], input_ids.device)[0],
         ).logits[0]
 
-    return run_rows(cache, rows, counts, keep, forward)
+    return run_rows(cache, rows, counts, keep, forward, tree_mask=tree_mask)

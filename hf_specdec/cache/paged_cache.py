@@ -172,9 +172,10 @@ class PagedAttentionMetadata:
     query_positions: torch.Tensor  # [num_rows, max_query_len] each query's index in its row (its position)
     key_span: int  # S: keys per row in the gathered layout (key j of a row is its token j)
     max_seq_len: int = 0  # max of seq_lens, known on the host (the kernel sizes its launch by it)
-    # [num_rows, max_query_len, max_query_len] bool for tree drafts: among a row's new tokens, token a
-    # sees token b iff tree_mask[row, a, b] (its ancestors and itself), replacing causal order there;
-    # the row's context stays visible. None: the new tokens are a chain (causal).
+    # [num_rows, max_query_len, T] bool for drafts laid out as trees: the row's last T keys (its new
+    # tokens, after some of its context for rows with fewer new tokens; a drafter's own tree
+    # entries) are seen by new token a iff tree_mask[row, a, t] for key seq_len - T + t; keys before
+    # them stay visible. None: the new tokens are a chain (causal).
     tree_mask: torch.Tensor | None = None
     # One row whose blocks are consecutive in the pool (the usual case at batch size 1, since
     # blocks are handed out lowest id first): (first slot, length) lets attention read the pool
@@ -223,12 +224,12 @@ class PagedAttentionMetadata:
         return mask
 
     def _with_tree(self, mask: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """`mask` with each row's new-token keys decided by `tree_mask` instead."""
+        """`mask` with each row's last T keys decided by `tree_mask` instead."""
         num_rows, max_query_len = self.query_valid.shape
-        first_new = (self.seq_lens - self.query_valid.sum(dim=1))[:, None, None, None]
-        offset = keys - first_new  # [rows, 1, 1, S]: index among the row's new tokens
+        span = self.tree_mask.shape[-1]
+        offset = keys - (self.seq_lens - span)[:, None, None, None]  # [rows, 1, 1, S]: index among the last T
         is_new = (offset >= 0) & (keys < self.seq_lens[:, None, None, None])
-        index = offset.clamp(0, max_query_len - 1).expand(num_rows, 1, max_query_len, self.key_span)
+        index = offset.clamp(0, span - 1).expand(num_rows, 1, max_query_len, self.key_span)
         tree = torch.gather(self.tree_mask[:, None], 3, index)
         return torch.where(is_new, tree, mask)
 
@@ -434,8 +435,11 @@ class PagedKVCache(Cache):
             self.recurrent.free(row)
 
     # --- one forward ---------------------------------------------------------------------------
-    def prepare_forward(self, rows: list[int], num_new_tokens: list[int]) -> PagedAttentionMetadata:
-        """Reserve room for each row's new tokens and describe the packed forward."""
+    def prepare_forward(
+        self, rows: list[int], num_new_tokens: list[int], tree_mask: np.ndarray | None = None
+    ) -> PagedAttentionMetadata:
+        """Reserve room for each row's new tokens and describe the packed forward (`tree_mask`:
+        `PagedAttentionMetadata.tree_mask`, for drafts laid out as trees)."""
         if self.recurrent is not None:
             if len(rows) != 1:
                 raise RuntimeError("a cache with recurrent layers takes one row per forward (forward.run_rows)")
@@ -484,8 +488,30 @@ class PagedKVCache(Cache):
             max_seq_len=int(seq_lens.max()),
             contiguous_kv=contiguous_kv,
             kv_gathered=self.gathered,
+            tree_mask=None if tree_mask is None else to_device([tree_mask], self.device)[0],
         )
         return self.forward_metadata
+
+    def move_tokens(self, moves: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """For each (row, from, to): the K/V of the row's tokens at positions `from` go to positions
+        `to` (every layer; all moves read before any is written). A draft tree's accepted path moves
+        into place this way, its nodes' K/V having been written at their slots in the tree."""
+        moves = [(row, src, dst) for row, src, dst in moves if not np.array_equal(src, dst)]
+        if not moves:
+            return
+        source, target = (
+            to_device([np.concatenate([self._slots(row, positions[i]) for row, *positions in moves])], self.device)[0]
+            for i in (0, 1)
+        )
+        for layer in self.layers:
+            for pool in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if pool is not None:
+                    flat = pool.view(-1, *pool.shape[-2:])
+                    flat.index_copy_(0, target, flat.index_select(0, source))
+
+    def _slots(self, row: int, positions: np.ndarray) -> np.ndarray:
+        table = np.asarray(self.block_tables[row], dtype=np.int64)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     # --- the parts of the Cache API transformers calls ------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

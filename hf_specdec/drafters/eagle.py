@@ -30,7 +30,7 @@ import torch
 
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
-from ..config import SpeculativeConfig
+from ..config import SpeculativeConfig, TreeSpec
 from ..heads.eagle_heads import EagleHead, load_eagle_head
 from ..models.feature_capture import decoder_parts
 from ..transfer import to_device
@@ -44,6 +44,14 @@ _NO_DRAFTS = np.zeros(0, dtype=np.int64)
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _tree_parents(drafts: list[np.ndarray], active: list[int], parents: list[np.ndarray]) -> list[np.ndarray]:
+    """Every request row's parents: the drafted rows' trees, empty for the others."""
+    out = [np.zeros(0, dtype=np.int64) for _ in drafts]
+    for j, i in enumerate(active):
+        out[i] = parents[j]
+    return out
+
+
 class EagleProposer:
     """Drafts with an `EagleHead` bound to the target; `target_feature_layers` tells the loop what to capture."""
 
@@ -55,8 +63,10 @@ class EagleProposer:
         block_size: int = 16,
         num_blocks: int | None = None,
         max_length: int | None = None,
+        tree: TreeSpec | None = None,
     ):
-        """`head` must be bound to `target_model` (`EagleHead.bind_target`). The head's KV pool has
+        """`head` must be bound to `target_model` (`EagleHead.bind_target`). `tree`: draft a tree per
+        row (`_draft_tree`) instead of a chain. The head's KV pool has
         `num_blocks` blocks, or is sized at the first call from the rows and `max_length` (the
         longest a row may get); without either it starts small. It doubles whenever it runs out.
         """
@@ -65,6 +75,7 @@ class EagleProposer:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_length = max_length
+        self.tree = tree
         decoder_layers, _ = decoder_parts(target_model)
         self.target_feature_layers: tuple[int, ...] = head.feature_layers_for(len(decoder_layers))
         self.cache: PagedKVCache | None = None
@@ -102,6 +113,7 @@ class EagleProposer:
             block_size=config.block_size,
             num_blocks=config.num_kv_blocks,
             max_length=max_length,
+            tree=config.tree,
         )
 
     # --- the Proposer protocol -------------------------------------------------------------------
@@ -110,7 +122,7 @@ class EagleProposer:
         drafts = [_NO_DRAFTS] * len(request.rows)
         active = rows_to_feed(request)
         if not active:
-            return DraftProposal(draft_token_ids=drafts)
+            return DraftProposal(draft_token_ids=drafts, draft_parents=None if self.tree is None else list(drafts))
         head = self.head
         device = head.fc.weight.device
         rows = [int(request.rows[i]) for i in active]
@@ -137,6 +149,11 @@ class EagleProposer:
             fuse_features=True,
         )
         drafting = np.flatnonzero(wanted >= 1)
+        if self.tree is not None:
+            tokens, parents = self._draft_tree(rows, hidden[to_device([np.cumsum(counts) - 1], device)[0]], wanted)
+            for j, i in enumerate(active):
+                drafts[i] = tokens[j]
+            return DraftProposal(draft_token_ids=drafts, draft_parents=_tree_parents(drafts, active, parents))
         # drafts stay on the device until every step ran: one transfer, not one sync per step
         out = torch.zeros((len(active), self.k), dtype=torch.long, device=device)
         if len(drafting):
@@ -174,10 +191,10 @@ class EagleProposer:
                 self.cache.free_row(int(row))
 
     # --- internals -------------------------------------------------------------------------------
-    def _forward(self, rows, counts, input_ids, features, positions, fuse_features: bool) -> torch.Tensor:
+    def _forward(self, rows, counts, input_ids, features, positions, fuse_features: bool, tree_mask=None) -> torch.Tensor:
         """One packed head forward over `counts[i]` new pairs of each row; returns `[tokens, H]`."""
         self._grow_if_needed(rows, counts)
-        metadata = self.cache.prepare_forward(rows, list(counts))
+        metadata = self.cache.prepare_forward(rows, list(counts), tree_mask=tree_mask)
         with use_paged_attention(self.head):
             hidden = self.head(
                 input_ids[None],
@@ -188,6 +205,103 @@ class EagleProposer:
                 paged_metadata=metadata,
             )
         return hidden[0]
+
+    def _draft_tree(
+        self, rows: list[int], root_hidden: torch.Tensor, wanted: np.ndarray
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per row, a draft tree (tokens, parents) grown from the head's output at its last context pair.
+
+        EAGLE-2 (Li et al. 2024): a node scores the sum of its path's draft log-probabilities. Each
+        depth expands the `topk` best nodes of the depth before (static trees: the nodes the layout
+        continues), every row's in one head forward whose tree mask lets a node see the context and
+        its own ancestors; each expanded node proposes its `topk` best children. At the end the
+        `num_nodes` best nodes overall are kept (static: the listed rank paths); a parent never
+        scores below its child and wins ties, so the kept nodes form a tree. Row j goes at most
+        `wanted[j]` deep. A node is fed at the position its chain draft of that depth would take.
+        """
+        tree, device = self.tree, root_hidden.device
+        static = None if tree.static_paths is None else set(tree.static_paths)
+        depth_limit = np.minimum(wanted, tree.depth)
+        base = np.array([self.cache.seq_lens[r] for r in rows], dtype=np.int64) - 1  # a depth-d node goes at base + d
+        # every row's candidates: (token, parent candidate or -1 for the root, depth, score, rank path)
+        nodes: list[list[tuple]] = [[] for _ in rows]
+        fed: list[list[int]] = [[] for _ in rows]  # candidates in the head cache, in slot order
+        hidden_of: dict[tuple[int, int], torch.Tensor] = {}  # (row, candidate) -> the head's output for it
+
+        def expand(parents: list[tuple[int, int]], hidden: torch.Tensor) -> None:
+            """The children of each (row, candidate or -1), from the head's output `hidden` for it."""
+            log_probs = torch.log_softmax(self.head.compute_logits(hidden).float(), dim=-1)
+            scores, draft_ids = log_probs.topk(tree.topk, dim=-1)
+            tokens = self.head.draft_to_target(draft_ids).cpu().numpy()  # one transfer per depth
+            for (j, parent), row_tokens, row_scores in zip(parents, tokens, scores.cpu().numpy()):
+                depth, score, path = (0, 0.0, ()) if parent < 0 else nodes[j][parent][2:]
+                for rank, (token, token_score) in enumerate(zip(row_tokens, row_scores)):
+                    if static is None or (*path, rank) in static:
+                        nodes[j].append((int(token), parent, depth + 1, score + float(token_score), (*path, rank)))
+
+        drafting = [j for j in range(len(rows)) if depth_limit[j] >= 1]
+        for j in drafting:
+            hidden_of[(j, -1)] = root_hidden[j]
+        expand([(j, -1) for j in drafting], root_hidden[to_device([np.array(drafting, dtype=np.int64)], device)[0]])
+        for depth in range(1, int(depth_limit.max(initial=0))):
+            frontier = []  # (row, candidate) fed at this depth, row by row
+            for j in drafting:
+                if depth_limit[j] <= depth:
+                    continue
+                at_depth = [c for c, node in enumerate(nodes[j]) if node[2] == depth]
+                if static is None:
+                    at_depth = sorted(at_depth, key=lambda c, j=j: -nodes[j][c][3])[: tree.topk]
+                else:  # the nodes the layout continues
+                    at_depth = [c for c in at_depth if any(len(p) > depth and p[:depth] == nodes[j][c][4] for p in static)]
+                frontier += [(j, c) for c in sorted(at_depth)]
+            if not frontier:
+                break
+            frontier_rows = list(dict.fromkeys(j for j, _ in frontier))
+            counts = [sum(1 for j, _ in frontier if j == r) for r in frontier_rows]
+            token_ids, position_ids = to_device(
+                [np.array([nodes[j][c][0] for j, c in frontier]), np.array([base[j] + depth for j, _ in frontier])], device
+            )
+            features = torch.stack([hidden_of[(j, nodes[j][c][1])] for j, c in frontier])
+            hidden = self._forward(
+                [rows[j] for j in frontier_rows], counts, token_ids, features, position_ids,
+                fuse_features=False, tree_mask=self._tree_mask(frontier_rows, counts, frontier, nodes, fed),
+            )
+            for index, (j, c) in enumerate(frontier):
+                hidden_of[(j, c)] = hidden[index]
+                fed[j].append(c)
+            expand(frontier, hidden)
+
+        tokens_out, parents_out = [], []
+        for j in range(len(rows)):
+            kept = list(range(len(nodes[j])))
+            if static is None:
+                kept = sorted(kept, key=lambda c, j=j: (-nodes[j][c][3], nodes[j][c][2]))[: tree.num_nodes]
+            kept.sort(key=lambda c, j=j: (nodes[j][c][2], -nodes[j][c][3]))  # parents first, siblings by rank
+            order = {c: i for i, c in enumerate(kept)}
+            tokens_out.append(np.array([nodes[j][c][0] for c in kept], dtype=np.int64))
+            parents_out.append(np.array([order.get(nodes[j][c][1], -1) for c in kept], dtype=np.int64))
+        return tokens_out, parents_out
+
+    @staticmethod
+    def _tree_mask(frontier_rows, counts, frontier, nodes, fed) -> np.ndarray:
+        """`PagedAttentionMetadata.tree_mask` for feeding `frontier`: a new node sees itself and the
+        fed candidates that are its ancestors; the context before the tree stays visible."""
+        spans = [len(fed[j]) + count for j, count in zip(frontier_rows, counts)]
+        span = max(spans)
+        mask = np.zeros((len(frontier_rows), max(counts), span), dtype=bool)
+        index = 0
+        for r, (j, count, row_span) in enumerate(zip(frontier_rows, counts, spans)):
+            first = span - row_span
+            mask[r, :, :first] = True
+            slot = {c: first + i for i, c in enumerate(fed[j])}
+            for a in range(count):
+                mask[r, a, first + len(fed[j]) + a] = True
+                parent = nodes[j][frontier[index + a][1]][1]
+                while parent >= 0:
+                    mask[r, a, slot[parent]] = True
+                    parent = nodes[j][parent][1]
+            index += count
+        return mask
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head.compute_logits(hidden)

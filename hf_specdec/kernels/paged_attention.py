@@ -10,9 +10,11 @@ q_len): query i sits at slot p = seq_len - q_len + i, key j at pool slot
 
 with cap(s) = tanh(s / softcap) * softcap when `softcap` is given (Gemma 2), and, with `sinks`
 (gpt-oss), one extra logit per head in the softmax's denominator that has no value. Visible: j <= p
-(causal) and p - j < window when `window` is set; `tree_mask` replaces causality among the new
-tokens (context keys stay visible, the window still applies on slots); a dense `mask` replaces all
-of that. A query that sees no key at all (only possible with `mask`) gets zeros. Query head h reads
+(causal) and p - j < window when `window` is set; `tree_mask` `[rows, >= max_query_len, T]`
+(draft trees) replaces causality over each row's last T keys, key seq_len - T + t being visible to
+new token i iff tree_mask[r, i, t] (T >= q_len: the new tokens and possibly keys before them, such
+as a drafter's own earlier tree entries; keys before those stay visible, and the window still
+applies on slots); a dense `mask` replaces all of that. A query that sees no key at all (only possible with `mask`) gets zeros. Query head h reads
 kv head h // (num_heads // num_kv_heads) (GQA / MQA). This is what `_explicit_attention` and SDPA
 compute on the gathered rows in `hf_specdec.cache.paged_attention`, without the gather.
 
@@ -203,6 +205,7 @@ def _paged_attention_kernel(
     scale,
     softcap,
     window,
+    tree_span,
     num_heads,
     num_query_tiles,
     num_splits,
@@ -215,7 +218,7 @@ def _paged_attention_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MASK_KIND: tl.constexpr,  # 0 causal, 1 dense mask, 2 tree mask among the new tokens
+    MASK_KIND: tl.constexpr,  # 0 causal, 1 dense mask, 2 tree mask over the row's last tree_span keys
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -318,16 +321,17 @@ def _paged_attention_kernel(
             visible = visible & (allowed != 0)
         else:
             if MASK_KIND == 2:
-                is_new = keys >= context_len
+                tree_start = seq_len - tree_span  # the tree mask decides the row's last tree_span keys
+                in_tree = keys >= tree_start
                 allowed = tl.load(
                     mask_ptr
                     + row.to(tl.int64) * mask_stride_r
                     + token[:, None] * mask_stride_q
-                    + (keys - context_len)[None, :] * mask_stride_k,
-                    mask=visible & is_new[None, :],
+                    + (keys - tree_start)[None, :] * mask_stride_k,
+                    mask=visible & in_tree[None, :],
                     other=0,
                 )
-                visible = visible & ((keys < context_len)[None, :] | (allowed != 0))
+                visible = visible & ((keys < tree_start)[None, :] | (allowed != 0))
             else:
                 visible = visible & (keys[None, :] <= position[:, None])
             if HAS_WINDOW:
@@ -573,6 +577,7 @@ def paged_attention(
         float(scale),
         float(softcap) if softcap is not None else 1.0,
         int(window) if window is not None else 0,
+        tree_mask.shape[2] if tree_mask is not None else 0,
         num_heads,
         query_tiles,
         num_splits,

@@ -33,7 +33,7 @@ from ..config import SpeculativeConfig
 from ..drafters import Proposer, ProposeRequest, build_proposer
 from ..models.cpu_linear import fast_cpu_linears, resolve_backend
 from ..models.feature_capture import TargetFeatureCapture, capture_for_proposer
-from ..sampling.grammar import cut_forbidden_drafts, with_speculative_grammars
+from ..sampling.grammar import SpeculativeGrammar, cut_forbidden_drafts, with_speculative_grammars
 from ..sampling.logits_processing import (
     StopChecker,
     accept_emitted,
@@ -42,10 +42,13 @@ from ..sampling.logits_processing import (
 )
 from ..sampling.metadata import SpecDecodeMetadata
 from ..sampling.rejection_sampler import draw_random, rejection_sample
+from ..sampling.tree import tree_depths
+from ..sampling.tree_acceptance import accept_tree
 from ..transfer import to_device
 from .auto_k import AutoKController
 from .metrics import SpecDecodeMetrics
 from .prefill import check_model_prefill, prefill_with_model
+from .tree_verify import tree_layout, tree_prefixes
 
 
 @dataclass
@@ -122,12 +125,16 @@ def generate(
     sampling = _sampling_state(generation_config, config, input_ids.shape[0], model.device)
     max_new_tokens = state.max_length - input_ids.shape[1]
     prompt_lens = state.seq_lens - state.pad_lens
+    # a tree's nodes occupy slots past what the row will keep until its path is chosen
+    tree_slots = 0 if config.tree is None else config.tree.num_nodes
     num_blocks = config.num_kv_blocks or sum(
-        -(-(int(length) + max_new_tokens + 1) // config.block_size) for length in prompt_lens
+        -(-(int(length) + max_new_tokens + 1 + tree_slots) // config.block_size) for length in prompt_lens
     )
     cache = PagedKVCache.for_model(
         model, num_blocks=num_blocks, block_size=config.block_size, max_rollback=config.max_draft_tokens
     )
+    if config.tree is not None:
+        _check_tree_request(cache, logits_processor)
     proposer = build_proposer(config, model, generation_config, logits_processor, target_cache=cache)
 
     metrics = SpecDecodeMetrics()
@@ -225,58 +232,86 @@ def speculative_step(
     )
     if proposal.draft_probs is None:  # a grammar-forbidden deterministic draft cannot pass: cut it here
         proposal.draft_token_ids = cut_forbidden_drafts(logits_processor, rows, proposal.draft_token_ids)
+    trees = proposal.draft_parents  # None: every row's drafts are a chain
     spec = SpecDecodeMetadata.from_drafts(proposal.draft_token_ids, device=model.device)
     num_draft = np.array(spec.num_draft_tokens, dtype=np.int64)
     metrics.draft_seconds += time.perf_counter() - clock
 
-    # 2. verify: pending tokens + drafts of every row, packed into one forward (one per row for hybrids)
+    # 2. verify: pending tokens + drafts of every row, packed into one forward (one per row for hybrids);
+    # a tree's nodes sit at their depth's position and see only their ancestors (`tree_layout`)
     clock = time.perf_counter()
     pending = [state.pending_tokens(r) for r in rows]
     num_pending = np.array([len(p) for p in pending], dtype=np.int64)
     segments = [np.concatenate([p.numpy(), d]) for p, d in zip(pending, proposal.draft_token_ids)]
     segment_lens = num_pending + num_draft
-    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(state.num_cached[rows], segment_lens)])
+    if trees is None:
+        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(state.num_cached[rows], segment_lens)])
+        tree_mask = None
+    else:
+        positions, tree_mask = tree_layout(state.num_cached[rows], num_pending, trees)
     segment_ends = np.cumsum(segment_lens)
     # logits of the last pending token and of every draft: num_draft + 1 per row
     keep = np.concatenate([np.arange(end - n - 1, end) for end, n in zip(segment_ends, num_draft)])
     if features is not None:
         features.begin_forward()
     input_ids, position_ids = to_device([np.concatenate(segments), positions], model.device)
-    logits = forward_tokens(model, cache, rows.tolist(), segment_lens.tolist(), input_ids, position_ids, keep).float()
+    logits = forward_tokens(
+        model, cache, rows.tolist(), segment_lens.tolist(), input_ids, position_ids, keep, tree_mask=tree_mask
+    ).float()
     metrics.record_kv_usage(cache.num_blocks_used, cache.blocks_needed(state.num_cached[rows] + num_pending))
     metrics.verify_seconds += time.perf_counter() - clock
 
     # 3. sample: processors see, at each position, the prefix plain generate would have had
     clock = time.perf_counter()
-    for row, start, drafts in zip(rows, seq_lens, proposal.draft_token_ids):
-        state.token_buffer[row, start : start + len(drafts)] = torch.from_numpy(drafts)
-    logits_rows = np.repeat(rows, num_draft + 1)
-    prefix_lens = np.repeat(seq_lens, num_draft + 1) + _offsets_within(num_draft + 1)
-    processed = process_logits(logits_processor, logits, state.token_buffer, logits_rows, prefix_lens)
+    if not logits_processor:
+        processed = logits
+    elif trees is None:
+        for row, start, drafts in zip(rows, seq_lens, proposal.draft_token_ids):
+            state.token_buffer[row, start : start + len(drafts)] = torch.from_numpy(drafts)
+        logits_rows = np.repeat(rows, num_draft + 1)
+        prefix_lens = np.repeat(seq_lens, num_draft + 1) + _offsets_within(num_draft + 1)
+        processed = process_logits(logits_processor, logits, state.token_buffer, logits_rows, prefix_lens)
+    else:
+        processed = process_logits(logits_processor, logits, *tree_prefixes(state, rows, proposal.draft_token_ids, trees))
     generators = [sampling.generators[r] for r in rows]
     draws = None if all(g is None for g in generators) else draw_random(generators, spec, logits.shape[-1], logits.device)
-    output_tokens, num_accepted = rejection_sample(
-        spec, processed, sampling.is_greedy[to_device([rows], model.device)[0]], draws=draws,
-        draft_probs=proposal.draft_probs, method=config.rejection_sample_method,
-    )
+    is_greedy = sampling.is_greedy[to_device([rows], model.device)[0]]
+    if trees is None:
+        output_tokens, num_accepted = rejection_sample(
+            spec, processed, is_greedy, draws=draws, draft_probs=proposal.draft_probs, method=config.rejection_sample_method
+        )
+        accepted_nodes = None
+    else:
+        output_tokens, num_accepted, accepted_nodes = accept_tree(spec, trees, processed, is_greedy, draws=draws)
     metrics.sampler_seconds += time.perf_counter() - clock
 
     # 4. emit, stop, roll back; the step's one device-to-host transfer (a sync on GPUs)
-    accepted_and_tokens = torch.cat([num_accepted[:, None].to(output_tokens.dtype), output_tokens], dim=1).cpu()
-    num_accepted, output_tokens = accepted_and_tokens[:, 0].numpy(), accepted_and_tokens[:, 1:]
+    results = [num_accepted[:, None].to(output_tokens.dtype), output_tokens]
+    if accepted_nodes is not None:
+        results.append(accepted_nodes.to(output_tokens.dtype))
+    results = torch.cat(results, dim=1).cpu()
+    num_accepted, output_tokens = results[:, 0].numpy(), results[:, 1 : 1 + output_tokens.shape[1]]
+    # per row, the drafts accepted, in order: a chain's first ones, or a tree's accepted path
+    paths = [np.arange(a) for a in num_accepted] if accepted_nodes is None else [
+        results[i, 1 + output_tokens.shape[1] :][: num_accepted[i]].numpy() for i in range(len(rows))
+    ]
     for i, row in enumerate(rows):
         state.token_buffer[row, seq_lens[i] : seq_lens[i] + num_accepted[i] + 1] = output_tokens[i, : num_accepted[i] + 1]
     num_kept, stopped = stop_checker.first_stop(state.token_buffer, rows, seq_lens, num_accepted + 1)
-    metrics.record_step(spec.num_draft_tokens, num_accepted.tolist(), k)
+    metrics.record_step(
+        spec.num_draft_tokens, num_accepted.tolist(), k,
+        draft_depths=None if trees is None else [int(tree_depths(p).max(initial=0)) for p in trees],
+    )
     metrics.num_emitted_tokens += int(num_kept.sum())
 
     first_logit = np.cumsum(num_draft + 1) - (num_draft + 1)  # each row's first kept logit
-    emitted = []
+    emitted, moves = [], []
     for i, row in enumerate(rows):
         start, kept = int(seq_lens[i]), int(num_kept[i])
         state.token_buffer[row, start + kept : start + num_draft[i] + 1] = state.pad_token_id
         state.seq_lens[row] = start + kept
-        window = slice(int(first_logit[i]), int(first_logit[i]) + kept)
+        # the logits at the root, then at each accepted draft (consecutive for a chain)
+        window = torch.from_numpy(first_logit[i] + np.concatenate([[0], paths[i] + 1])[:kept]).to(logits.device)
         emitted.append((int(row), output_tokens[i, :kept], logits[window], processed[window]))
         accept_emitted(logits_processor, int(row), output_tokens[i, :kept])
         if stopped[i]:
@@ -285,11 +320,20 @@ def speculative_step(
             if features is not None:
                 features.drop(int(row))
         else:
-            state.num_cached[row] += num_pending[i] + num_accepted[i]
-            cache.rollback(int(row), int(state.num_cached[row]))
+            first_draft = int(state.num_cached[row] + num_pending[i])
+            if trees is not None:  # the accepted path's K/V move into place after the pending tokens
+                moves.append((int(row), first_draft + paths[i], first_draft + np.arange(len(paths[i]))))
+            state.num_cached[row] = first_draft + num_accepted[i]
             if features is not None:  # the pending token(s) and accepted drafts are context now
                 segment_start = int(segment_ends[i] - segment_lens[i])
-                features.keep(int(row), segment_start, int(num_pending[i] + num_accepted[i]))
+                features.keep_at(
+                    int(row), segment_start + np.concatenate([np.arange(num_pending[i]), num_pending[i] + paths[i]])
+                )
+    if moves:
+        cache.move_tokens(moves)
+    for i, row in enumerate(rows):
+        if not stopped[i]:
+            cache.rollback(int(row), int(state.num_cached[row]))
     if stopped.any():
         finished = rows[stopped].tolist()
         proposer.release(finished, [state.tokens(r) for r in finished])
@@ -349,6 +393,16 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
     check_supported_processors(logits_processor)
     check_architecture(model)  # last: it may run a small probe forward, once per model
+
+
+def _check_tree_request(cache: PagedKVCache, logits_processor: LogitsProcessorList) -> None:
+    if cache.one_row_per_forward:
+        raise ValueError(
+            "speculative_config.tree is not supported on models with recurrent layers: their state follows one "
+            "path, a tree has many"
+        )
+    if any(isinstance(p, SpeculativeGrammar) for p in logits_processor):
+        raise ValueError("speculative_config.tree cannot be combined with structured output (xgrammar) yet")
 
 
 def _initial_state(input_ids, attention_mask, generation_config, stop_checker: StopChecker) -> DecodeState:

@@ -23,6 +23,7 @@ class SpecDecodeMetrics:
     num_rejected_drafts: int = 0
     num_row_steps: int = 0
     k_chosen_counts: list[int] = field(default_factory=list)
+    accepted_length_counts: list[int] = field(default_factory=list)  # [a]: drafted (row, step)s that accepted a
     num_emitted_tokens: int = 0
     num_target_forwards: int = 0
     draft_seconds: float = 0.0
@@ -34,19 +35,24 @@ class SpecDecodeMetrics:
     kv_peak_blocks_used: int = 0
     kv_blocks_needed_at_peak: int = 0
 
-    def record_step(self, num_draft_tokens: list[int], num_accepted: list[int], k_chosen: int) -> None:
-        """One step: per active row, the drafts proposed and accepted; the k the step asked for."""
+    def record_step(
+        self, num_draft_tokens: list[int], num_accepted: list[int], k_chosen: int, draft_depths: list[int] | None = None
+    ) -> None:
+        """One step: per active row, the drafts proposed and accepted; the k the step asked for;
+        for draft trees, each row's tree depth (its positions; a chain's depth is its length)."""
         self.num_target_forwards += 1
         self.num_row_steps += len(num_draft_tokens)
         _add_counts(self.k_chosen_counts, [0] * k_chosen + [1])
-        for drafted, accepted in zip(num_draft_tokens, num_accepted):
+        depths = num_draft_tokens if draft_depths is None else draft_depths
+        for drafted, accepted, depth in zip(num_draft_tokens, num_accepted, depths):
             if drafted == 0:
                 continue
             self.num_drafts += 1
             self.num_draft_tokens += drafted
             self.num_accepted_tokens += accepted
-            self.num_rejected_drafts += int(accepted < drafted)
-            _add_counts(self.num_accepted_tokens_per_pos, [1] * accepted + [0] * (drafted - accepted))
+            self.num_rejected_drafts += int(accepted < depth)
+            _add_counts(self.num_accepted_tokens_per_pos, [1] * accepted + [0] * (depth - accepted))
+            _add_counts(self.accepted_length_counts, [0] * accepted + [1])
 
     def record_kv_usage(self, blocks_used: int, blocks_needed: int) -> None:
         if blocks_used > self.kv_peak_blocks_used:
@@ -86,6 +92,7 @@ class SpecDecodeMetrics:
             self.kv_blocks_needed_at_peak = other.kv_blocks_needed_at_peak
         _add_counts(self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos)
         _add_counts(self.k_chosen_counts, other.k_chosen_counts)
+        _add_counts(self.accepted_length_counts, other.accepted_length_counts)
 
     def to_dict(self) -> dict:
         return {

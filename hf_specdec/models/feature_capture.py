@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -194,6 +195,14 @@ class TargetFeatureCapture:
         packed positions of a verify, or (`batch_index`) columns of a batched prefill."""
         self.pending.add(
             row, torch.cat([self._hidden(i)[batch_index, start : start + count] for i in self.layers], dim=-1)
+        )
+
+    def keep_at(self, row: int, positions: np.ndarray) -> None:
+        """Row `row`'s tokens at these packed positions of the captured verify became context, in
+        this order (a draft tree's pending tokens and accepted path)."""
+        index = torch.from_numpy(np.asarray(positions, dtype=np.int64))
+        self.pending.add(
+            row, torch.cat([self._hidden(i)[0, index.to(self._hidden(i).device)] for i in self.layers], dim=-1)
         )
 
     def drop(self, row: int) -> None:
