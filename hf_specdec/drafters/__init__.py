@@ -82,6 +82,7 @@ def build_proposer(
             num_blocks=config.num_kv_blocks,
             max_length=generation_config.max_length if generation_config is not None else None,
             output_device=target_model.device,
+            tree=config.tree,
         )
     if config.method == "mtp":
         from .mtp import MtpProposer, load_mtp_model  # imports transformers' MtpModel: only when used

@@ -7,6 +7,17 @@ matches the row's context (capped at the context length - 1, so at least one tok
 kept and the rest rolled back. Rejected drafts are therefore dropped, accepted drafts already
 cached are reused, and the row feeds only its new tokens (usually the bonus token, or the last
 accepted draft and the bonus token when every draft passed).
+
+With a `TreeSpec` the draft grows an EAGLE-2 tree per row instead (`tree_growth.py`): it feeds
+the row's new tokens as above, its logits at the last one give the root's `topk` children, and each
+depth feeds the frontier nodes of every row in one packed forward over the draft cache with a tree
+mask (a node sees the context, its fed ancestors and itself; positions: the row's last context
+position + depth), whose logits give the next depth's candidates. Children are ranked by the
+log-softmax of the draft's logits, after the position-free warpers when the target samples (the
+distribution chain drafts are sampled from). Tree drafts are deterministic candidates:
+`draft_probs` stays None (one-hot q) in sampling mode too. The draft cache then holds the context
+and the fed nodes; only the context is remembered as cached, so the next call's catch-up rolls the
+nodes back before feeding.
 """
 
 from __future__ import annotations
@@ -19,8 +30,11 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..cache.architectures import check_architecture
+from ..cache.forward import forward_tokens
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
+from ..config import TreeSpec
+from ..transfer import to_device
 from .base import DraftProposal, ProposeRequest
 from .drafting import (
     DraftSampling,
@@ -30,6 +44,9 @@ from .drafting import (
     stack_draft_probs,
 )
 from .on_disk import load_cached
+from .tree_growth import TreeGrowth, max_fed_nodes, ranked_children
+
+_NO_DRAFTS = np.zeros(0, dtype=np.int64)
 
 # drafts loaded from a path / Hub id, per target, so repeated generate() calls load them once;
 # read again when the folder's files change (`on_disk.load_cached`)
@@ -145,6 +162,7 @@ class DraftModelProposer:
             rows' prompt lengths and `max_length`.
         max_length: the longest a row may get (prompt + new tokens), for sizing the pool.
         output_device: where `draft_probs` go (the target's device).
+        tree: draft a tree per row (`TreeSpec`, see the module docstring) instead of a chain.
     """
 
     def __init__(
@@ -156,6 +174,7 @@ class DraftModelProposer:
         num_blocks: int | None = None,
         max_length: int | None = None,
         output_device: torch.device | str | None = None,
+        tree: TreeSpec | None = None,
     ):
         if num_blocks is None and max_length is None:
             raise ValueError("DraftModelProposer needs num_blocks or max_length to size its KV cache")
@@ -165,16 +184,25 @@ class DraftModelProposer:
         self.num_blocks = num_blocks
         self.max_length = max_length
         self.output_device = torch.device(output_device) if output_device is not None else draft_model.device
+        self.tree = tree
         self.picker = DraftTokenPicker(sampling or DraftSampling(), draft_model.device)
         self.cache: PagedKVCache | None = None
         self.cached_tokens: dict[int, np.ndarray] = {}  # per row: the tokens the draft cache holds
 
     def _ensure_cache(self, token_ids: list[np.ndarray]) -> PagedKVCache:
         if self.cache is None:
+            # past its context a row's cache holds its chain drafts but the last, or its fed tree nodes
+            past_context = self.k if self.tree is None else max(self.k, max_fed_nodes(self.tree))
             num_blocks = self.num_blocks or drafter_pool_blocks(
-                token_ids, self.max_length, self.k, self.block_size
+                token_ids, self.max_length, past_context, self.block_size
             )
-            self.cache = PagedKVCache.for_model(self.model, num_blocks=num_blocks, block_size=self.block_size)
+            cache = PagedKVCache.for_model(self.model, num_blocks=num_blocks, block_size=self.block_size)
+            if self.tree is not None and cache.one_row_per_forward:
+                raise ValueError(
+                    "speculative_config.tree is not supported with a draft model that has recurrent layers: "
+                    "their state follows one path, a tree has many"
+                )
+            self.cache = cache
         return self.cache
 
     def _catch_up(self, row: int, context: np.ndarray) -> np.ndarray:
@@ -195,6 +223,8 @@ class DraftModelProposer:
             self._catch_up(row, np.asarray(tokens)) if m > 0 else np.empty(0, dtype=np.int64)
             for row, tokens, m in zip(request.rows, request.token_ids, max_draft)
         ]
+        if self.tree is not None:
+            return self._propose_tree(request, feeds, max_draft)
         with torch.no_grad(), use_paged_attention(self.model):
             drafts, probs = autoregressive_drafts(
                 self.model,
@@ -209,6 +239,50 @@ class DraftModelProposer:
             if len(draft):  # the cache now holds the context and every draft but the last
                 self.cached_tokens[row] = np.concatenate([np.asarray(tokens, dtype=np.int64), draft[:-1]])
         return DraftProposal(draft_token_ids=drafts, draft_probs=stack_draft_probs(probs, self.output_device))
+
+    @torch.no_grad()
+    def _propose_tree(self, request: ProposeRequest, feeds: list[np.ndarray], max_draft: list[int]) -> DraftProposal:
+        """Every drafting row's tree (module docstring); `feeds`: each row's tokens the cache lacks."""
+        drafts = [_NO_DRAFTS] * len(request.rows)
+        parents = [_NO_DRAFTS] * len(request.rows)
+        active = [i for i, m in enumerate(max_draft) if m > 0]
+        if not active:
+            return DraftProposal(draft_token_ids=drafts, draft_parents=parents)
+        cache, device, topk = self.cache, self.model.device, self.tree.topk
+        rows = [int(request.rows[i]) for i in active]
+        contexts = [np.array(request.token_ids[i], dtype=np.int64) for i in active]  # copies: the loop's buffer changes
+        growth = TreeGrowth(self.tree, np.array([max_draft[i] for i in active], dtype=np.int64))
+        base = np.array([len(context) - 1 for context in contexts], dtype=np.int64)  # a depth-d node goes at base + d
+        counts = np.array([len(feeds[i]) for i in active], dtype=np.int64)
+        positions = np.concatenate([np.arange(last + 1 - n, last + 1) for last, n in zip(base, counts)])
+        tokens = np.concatenate([np.asarray(feeds[i], dtype=np.int64) for i in active])
+        with use_paged_attention(self.model):
+            # the rows' new tokens; the logits at each row's last context token give the root's children
+            input_ids, position_ids = to_device([tokens, positions], device)
+            logits = forward_tokens(self.model, cache, rows, counts.tolist(), input_ids, position_ids, np.cumsum(counts) - 1)
+            growth.expand([(j, -1) for j in range(len(rows))], *ranked_children(self.picker.warp(logits), topk))
+            for depth in range(1, growth.max_depth):
+                frontier = growth.frontier(depth)
+                if not frontier:
+                    break
+                frontier_rows, node_counts, tree_mask = growth.feed(frontier)
+                input_ids, position_ids = to_device(
+                    [
+                        np.array([growth.nodes[j][c].token for j, c in frontier], dtype=np.int64),
+                        np.array([base[j] + depth for j, _ in frontier], dtype=np.int64),
+                    ],
+                    device,
+                )
+                logits = forward_tokens(
+                    self.model, cache, [rows[j] for j in frontier_rows], node_counts, input_ids, position_ids,
+                    np.arange(len(frontier)), tree_mask=tree_mask,
+                )
+                growth.expand(frontier, *ranked_children(self.picker.warp(logits), topk))
+        tree_tokens, tree_parents = growth.trees()
+        for j, i in enumerate(active):
+            drafts[i], parents[i] = tree_tokens[j], tree_parents[j]
+            self.cached_tokens[rows[j]] = contexts[j]  # the fed nodes past it are rolled back next call
+        return DraftProposal(draft_token_ids=drafts, draft_parents=parents)
 
     def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
         for row in rows:

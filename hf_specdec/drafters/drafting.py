@@ -90,16 +90,23 @@ class DraftTokenPicker:
             generator = self._generators[row] = torch.Generator(device=self.device).manual_seed(seed)
         return generator
 
-    def pick(self, logits: torch.Tensor, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits `[len(rows), vocab]` -> (tokens `[len(rows)]`, q `[len(rows), vocab]` float32 or None)."""
-        if not self.sampling.do_sample:
-            return logits.argmax(dim=-1), None
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits `[n, vocab]` -> the scores drafts are sampled from (float32): the position-free
+        warpers applied when sampling, the logits as they are when greedy."""
         scores = logits.float()
+        if not self.sampling.do_sample:
+            return scores
         # position-free warpers ignore input_ids; they still take a [rows, length] tensor
         placeholder_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
         for warper in self.sampling.warpers:
             scores = warper(placeholder_ids, scores)
-        q = torch.softmax(scores, dim=-1)
+        return scores
+
+    def pick(self, logits: torch.Tensor, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits `[len(rows), vocab]` -> (tokens `[len(rows)]`, q `[len(rows), vocab]` float32 or None)."""
+        if not self.sampling.do_sample:
+            return logits.argmax(dim=-1), None
+        q = torch.softmax(self.warp(logits), dim=-1)
         # exponential race: argmax(q / E), E ~ Exp(1) i.i.d., draws token x with probability q(x) exactly
         noise = torch.empty_like(q)
         for i, row in enumerate(rows):

@@ -37,6 +37,7 @@ from ..transfer import to_device
 from .base import DraftProposal, ProposeRequest
 from .drafting import drafter_pool_blocks, rows_to_feed
 from .on_disk import load_cached
+from .tree_growth import TreeGrowth, ranked_children
 
 _NO_DRAFTS = np.zeros(0, dtype=np.int64)
 # heads loaded from a folder / Hub id, per target, so repeated generate() calls load them once;
@@ -211,97 +212,43 @@ class EagleProposer:
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per row, a draft tree (tokens, parents) grown from the head's output at its last context pair.
 
-        EAGLE-2 (Li et al. 2024): a node scores the sum of its path's draft log-probabilities. Each
-        depth expands the `topk` best nodes of the depth before (static trees: the nodes the layout
-        continues), every row's in one head forward whose tree mask lets a node see the context and
-        its own ancestors; each expanded node proposes its `topk` best children. At the end the
-        `num_nodes` best nodes overall are kept (static: the listed rank paths); a parent never
-        scores below its child and wins ties, so the kept nodes form a tree. Row j goes at most
-        `wanted[j]` deep. A node is fed at the position its chain draft of that depth would take.
+        EAGLE-2 (`tree_growth.py`): each depth feeds the frontier nodes of every row in one head
+        forward, each node paired with its parent's head output as the feature (the root's: the
+        output at the last context pair), and their outputs give the next depth's candidates. Row j
+        goes at most `wanted[j]` deep. A node is fed at the position its chain draft of that depth
+        would take.
         """
-        tree, device = self.tree, root_hidden.device
-        static = None if tree.static_paths is None else set(tree.static_paths)
-        depth_limit = np.minimum(wanted, tree.depth)
+        growth, device = TreeGrowth(self.tree, wanted), root_hidden.device
         base = np.array([self.cache.seq_lens[r] for r in rows], dtype=np.int64) - 1  # a depth-d node goes at base + d
-        # every row's candidates: (token, parent candidate or -1 for the root, depth, score, rank path)
-        nodes: list[list[tuple]] = [[] for _ in rows]
-        fed: list[list[int]] = [[] for _ in rows]  # candidates in the head cache, in slot order
         hidden_of: dict[tuple[int, int], torch.Tensor] = {}  # (row, candidate) -> the head's output for it
 
         def expand(parents: list[tuple[int, int]], hidden: torch.Tensor) -> None:
             """The children of each (row, candidate or -1), from the head's output `hidden` for it."""
-            log_probs = torch.log_softmax(self.head.compute_logits(hidden).float(), dim=-1)
-            scores, draft_ids = log_probs.topk(tree.topk, dim=-1)
-            tokens = self.head.draft_to_target(draft_ids).cpu().numpy()  # one transfer per depth
-            for (j, parent), row_tokens, row_scores in zip(parents, tokens, scores.cpu().numpy()):
-                depth, score, path = (0, 0.0, ()) if parent < 0 else nodes[j][parent][2:]
-                for rank, (token, token_score) in enumerate(zip(row_tokens, row_scores)):
-                    if static is None or (*path, rank) in static:
-                        nodes[j].append((int(token), parent, depth + 1, score + float(token_score), (*path, rank)))
+            tokens, scores = ranked_children(self.head.compute_logits(hidden), self.tree.topk, self.head.draft_to_target)
+            growth.expand(parents, tokens, scores)
 
-        drafting = [j for j in range(len(rows)) if depth_limit[j] >= 1]
+        drafting = growth.drafting
         for j in drafting:
             hidden_of[(j, -1)] = root_hidden[j]
         expand([(j, -1) for j in drafting], root_hidden[to_device([np.array(drafting, dtype=np.int64)], device)[0]])
-        for depth in range(1, int(depth_limit.max(initial=0))):
-            frontier = []  # (row, candidate) fed at this depth, row by row
-            for j in drafting:
-                if depth_limit[j] <= depth:
-                    continue
-                at_depth = [c for c, node in enumerate(nodes[j]) if node[2] == depth]
-                if static is None:
-                    at_depth = sorted(at_depth, key=lambda c, j=j: -nodes[j][c][3])[: tree.topk]
-                else:  # the nodes the layout continues
-                    at_depth = [c for c in at_depth if any(len(p) > depth and p[:depth] == nodes[j][c][4] for p in static)]
-                frontier += [(j, c) for c in sorted(at_depth)]
+        for depth in range(1, growth.max_depth):
+            frontier = growth.frontier(depth)
             if not frontier:
                 break
-            frontier_rows = list(dict.fromkeys(j for j, _ in frontier))
-            counts = [sum(1 for j, _ in frontier if j == r) for r in frontier_rows]
+            nodes = growth.nodes
             token_ids, position_ids = to_device(
-                [np.array([nodes[j][c][0] for j, c in frontier]), np.array([base[j] + depth for j, _ in frontier])], device
+                [np.array([nodes[j][c].token for j, c in frontier]), np.array([base[j] + depth for j, _ in frontier])], device
             )
-            features = torch.stack([hidden_of[(j, nodes[j][c][1])] for j, c in frontier])
+            features = torch.stack([hidden_of[(j, nodes[j][c].parent)] for j, c in frontier])
+            frontier_rows, counts, tree_mask = growth.feed(frontier)
             hidden = self._forward(
                 [rows[j] for j in frontier_rows], counts, token_ids, features, position_ids,
-                fuse_features=False, tree_mask=self._tree_mask(frontier_rows, counts, frontier, nodes, fed),
+                fuse_features=False, tree_mask=tree_mask,
             )
             for index, (j, c) in enumerate(frontier):
                 hidden_of[(j, c)] = hidden[index]
-                fed[j].append(c)
             expand(frontier, hidden)
-
-        tokens_out, parents_out = [], []
-        for j in range(len(rows)):
-            kept = list(range(len(nodes[j])))
-            if static is None:
-                kept = sorted(kept, key=lambda c, j=j: (-nodes[j][c][3], nodes[j][c][2]))[: tree.num_nodes]
-            kept.sort(key=lambda c, j=j: (nodes[j][c][2], -nodes[j][c][3]))  # parents first, siblings by rank
-            order = {c: i for i, c in enumerate(kept)}
-            tokens_out.append(np.array([nodes[j][c][0] for c in kept], dtype=np.int64))
-            parents_out.append(np.array([order.get(nodes[j][c][1], -1) for c in kept], dtype=np.int64))
-        return tokens_out, parents_out
-
-    @staticmethod
-    def _tree_mask(frontier_rows, counts, frontier, nodes, fed) -> np.ndarray:
-        """`PagedAttentionMetadata.tree_mask` for feeding `frontier`: a new node sees itself and the
-        fed candidates that are its ancestors; the context before the tree stays visible."""
-        spans = [len(fed[j]) + count for j, count in zip(frontier_rows, counts)]
-        span = max(spans)
-        mask = np.zeros((len(frontier_rows), max(counts), span), dtype=bool)
-        index = 0
-        for r, (j, count, row_span) in enumerate(zip(frontier_rows, counts, spans)):
-            first = span - row_span
-            mask[r, :, :first] = True
-            slot = {c: first + i for i, c in enumerate(fed[j])}
-            for a in range(count):
-                mask[r, a, first + len(fed[j]) + a] = True
-                parent = nodes[j][frontier[index + a][1]][1]
-                while parent >= 0:
-                    mask[r, a, slot[parent]] = True
-                    parent = nodes[j][parent][1]
-            index += count
-        return mask
+        return growth.trees()
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head.compute_logits(hidden)
