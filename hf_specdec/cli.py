@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -84,6 +85,30 @@ def _parser() -> argparse.ArgumentParser:
         help="also time ours with each of these token drafters at the same k, e.g. ngram (arms ours_<method>)",
     )
     bench.add_argument(
+        "--tree",
+        type=_tree,
+        help='ours drafts this tree instead of a chain: speculative_config["tree"] as JSON, e.g. '
+        '\'{"num_nodes": 32, "topk": 4}\' (EAGLE-2 dynamic; depth defaults to --k) or \'{"static": [[0], [1], [0, 0]]}\' '
+        "(methods ngram, eagle, eagle3, draft_model)",
+    )
+    bench.add_argument(
+        "--tree-nodes",
+        type=_tree_nodes,
+        help="also time ours drafting dynamic trees of each of these sizes, e.g. 8,16,32,64 (arms ours_tree<N>), "
+        "against ours' chain",
+    )
+    bench.add_argument("--tree-topk", type=int, help="with --tree-nodes: children per expanded node (default 4)")
+    bench.add_argument(
+        "--tree-depth", type=int, help="with --tree-nodes: the trees' depth, their num_speculative_tokens (default --k)"
+    )
+    bench.add_argument(
+        "--verify-repeats",
+        type=int,
+        default=5,
+        help="timed repeats of each arm's verify forward (its drafts + 1 tokens per row) against a 1-token "
+        "forward, at the run's batch size (default 5; 0: not timed)",
+    )
+    bench.add_argument(
         "--plain-fast-linears",
         action="store_true",
         help="also time plain generate() with the fast CPU linears ours uses (speculation's own share)",
@@ -155,6 +180,76 @@ def _rows(value: str) -> tuple[int, ...]:
     return rows
 
 
+TREE_EXAMPLES = '\'{"num_nodes": 32, "topk": 4}\' or \'{"static": [[0], [1], [0, 0]]}\''
+
+
+def _tree(value: str) -> dict:
+    try:
+        tree = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(
+            f"--tree={value!r} is not valid JSON ({error}); allowed: a JSON object such as {TREE_EXAMPLES}"
+        ) from None
+    if not isinstance(tree, dict):
+        raise argparse.ArgumentTypeError(f"--tree={value!r} is not a JSON object; allowed: e.g. {TREE_EXAMPLES}")
+    return tree
+
+
+def _tree_nodes(value: str) -> tuple[int, ...]:
+    try:
+        nodes = tuple(int(count) for count in value.split(","))
+    except ValueError:
+        nodes = ()
+    if not nodes or min(nodes) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--tree-nodes={value!r}: allowed: integers >= 1 separated by commas, e.g. 8,16,32,64"
+        )
+    return nodes
+
+
+def _tree_settings(args: argparse.Namespace) -> tuple[dict, ...]:
+    """The trees of --tree-nodes / --tree-topk / --tree-depth, one dict per size."""
+    if args.tree_nodes is None:
+        if args.tree_topk is not None or args.tree_depth is not None:
+            raise ValueError("--tree-topk and --tree-depth shape the trees of --tree-nodes: give --tree-nodes too")
+        return ()
+    if args.k == AUTO and args.tree_depth is None:
+        raise ValueError(
+            "--tree-nodes with --k auto needs --tree-depth: a tree's num_speculative_tokens is its depth, "
+            "which 'auto' does not fix"
+        )
+    shape = {key: value for key, value in (("topk", args.tree_topk), ("depth", args.tree_depth)) if value is not None}
+    return tuple({"num_nodes": nodes, **shape} for nodes in dict.fromkeys(args.tree_nodes))
+
+
+def _check_configs(settings, args: argparse.Namespace) -> None:
+    """Every arm's config, built now: a bad setting fails before the model loads, an error about a
+    tree naming the flag that asked for it."""
+
+    def check(build, flag: str | None = None) -> None:
+        try:
+            build()
+        except ValueError as error:
+            if flag is not None and "speculative_config.tree" in str(error):
+                raise ValueError(f"{flag}: {error}") from None
+            raise
+
+    ours_tree = None if args.tree is None else f"--tree={json.dumps(args.tree)}"
+    check(lambda: settings.speculative_config(settings.k), ours_tree)
+    for k in settings.sweep_ks:
+        check(lambda k=k: settings.speculative_config(k), ours_tree and f"{ours_tree} (with --ks {k})")
+    for backend in settings.cpu_linear_backends:
+        check(lambda backend=backend: settings.speculative_config(settings.k, cpu_linear_backend=backend), ours_tree)
+    for method in settings.compare_methods:
+        settings.speculative_config(settings.k, method=method)
+    options = " ".join(
+        f"--{name}={value}" for name, value in (("tree-topk", args.tree_topk), ("tree-depth", args.tree_depth)) if value is not None
+    )
+    for tree in settings.trees:
+        flag = f"--tree-nodes={','.join(str(n) for n in args.tree_nodes)}" + (f" {options}" if options else "")
+        check(lambda tree=tree: settings.speculative_config(settings.k, tree=tree), flag)
+
+
 def _backends(value: str) -> tuple[str, ...]:
     backends = tuple(value.split(","))
     unknown = [backend for backend in backends if backend not in CPU_LINEAR_BACKENDS]
@@ -180,6 +275,7 @@ def _bench(args: argparse.Namespace) -> int:
             ("prompt_lookup_num_tokens", args.prompt_lookup_num_tokens),
             ("max_speculative_tokens", args.max_speculative_tokens),
             ("cpu_linear_backend", args.cpu_linear_backend),
+            ("tree", args.tree),
         )
         if value is not None
     }
@@ -195,13 +291,14 @@ def _bench(args: argparse.Namespace) -> int:
         plain_fast_linears=args.plain_fast_linears,
         cpu_linear_backends=args.compare_cpu_linear_backends or (),
         compare_methods=args.compare_methods or (),
+        trees=_tree_settings(args),
+        verify_repeats=args.verify_repeats,
     )
-    for backend in (None, *settings.cpu_linear_backends):  # a bad setting fails now, not after loading the model
-        settings.speculative_config(settings.k, cpu_linear_backend=backend)
-    for method in settings.compare_methods:
-        settings.speculative_config(settings.k, method=method)
+    _check_configs(settings, args)  # a bad setting fails now, not after loading the model
     if args.batch_size < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         raise ValueError("--batch-size and --num-prompts: allowed: integers >= 1")
+    if args.verify_repeats < 0:
+        raise ValueError(f"--verify-repeats={args.verify_repeats}: allowed: an integer >= 0")
     model, tokenizer = load_target(args.model, DTYPES[args.dtype], args.device)
     if args.replan_linears:
         from .models.cpu_linear import plan_linears

@@ -11,8 +11,11 @@ import pytest
 from conftest import build_tiny_llama
 
 from hf_specdec import cli
-from hf_specdec.bench.arms import BenchSettings, build_arms
+from hf_specdec.bench.arms import BenchSettings, build_arms, tree_arm_names
+from hf_specdec.bench.verify_cost import timing_tree
+from hf_specdec.config import TreeSpec
 from hf_specdec.models.cpu_linear import PLAN_ROWS
+from hf_specdec.sampling.tree import children_of, tree_depths
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # user turns as their words, then "w3" opens the answer: every piece is in the word vocabulary
@@ -22,8 +25,12 @@ PROMPTS = [
     {"messages": [{"role": "user", "content": "w20 w21 w22 w20 w21 w22 w20"}]},
     {"prompt": "w40 w41 w42 w43 w44 w40 w41 w42 w43"},
 ]
-SPEC_KEYS = {"tau", "alpha", "acceptance_per_position", "c", "mean_k_chosen", "k_chosen_counts"}
-ARM_KEYS = {"k", "ttft_s", "tpot_s", "tokens_per_s", "ratio_vs_plain", "identical_fraction", "divergences"}
+SPEC_KEYS = {"tau", "alpha", "acceptance_per_position", "c", "mean_k_chosen", "k_chosen_counts", "tree",
+             "mean_tree_size", "accepted_length_counts", "accepted_length_histogram", "verify_cost"}  # fmt: skip
+ARM_KEYS = {"k", "ttft_s", "tpot_s", "tokens_per_s", "ratio_vs_plain", "identical_fraction", "identical_rows", "rows",
+            "divergences"}  # fmt: skip
+VERIFY_KEYS = {"nodes", "tokens_per_row", "batch_size", "tree", "decode_forward_s", "verify_forward_s", "ratio",
+               "ratio_of_minimums", "repeats"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +158,109 @@ def test_bench_compares_methods(model_folder, prompts_file, tmp_path):
     assert arms["ours"].generate_kwargs["speculative_config"].suffix_max_tree_depth == 8
 
 
+def check_tree_arm(arm: dict, nodes: int, tree: dict | None, batch_size: int, verify_tree: bool) -> None:
+    """The fields a tree (or chain) arm reports, and that they add up."""
+    assert SPEC_KEYS <= set(arm) and arm["tree"] == tree
+    assert arm["identical_fraction"] == 1.0 and arm["identical_rows"] == arm["rows"] > 0
+    assert arm["tokens_per_s"] > 0 and arm["ratio_vs_plain"] > 0 and arm["tau"] >= 1.0
+    assert 0 < arm["mean_tree_size"] <= nodes
+    counts = arm["accepted_length_counts"]
+    assert sum(counts) > 0 and arm["accepted_length_histogram"] == pytest.approx([n / sum(counts) for n in counts])
+    # tau = 1 + accepted / drafted steps: the histogram's mean accepted length
+    assert arm["tau"] == pytest.approx(1 + sum(a * n for a, n in enumerate(counts)) / sum(counts))
+    cost = arm["verify_cost"]
+    assert VERIFY_KEYS <= set(cost)
+    assert (cost["nodes"], cost["tokens_per_row"], cost["batch_size"], cost["tree"]) == (nodes, nodes + 1, batch_size, verify_tree)
+    assert cost["ratio"] == pytest.approx(cost["verify_forward_s"] / cost["decode_forward_s"])
+    assert cost["ratio"] > 0 and cost["ratio_of_minimums"] > 0
+
+
+def test_bench_tree_nodes_against_the_chain(model_folder, prompts_file, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    status = cli.main(
+        bench_args(model_folder, prompts_file, "--method", "ngram", "--k", "3", "--batch-size", "2",
+                   "--tree-nodes", "4,8", "--tree-topk", "2", "--plain-fast-linears", "--verify-repeats", "2",
+                   "--out", str(out))
+    )  # fmt: skip
+    assert status == 0
+    results = json.loads(out.read_text())
+    arms = results["arms"]
+    assert list(arms) == ["plain", "plain_fast_linears", "ours", "ours_tree4", "ours_tree8"]
+    assert results["settings"]["trees"] == [{"num_nodes": 4, "topk": 2}, {"num_nodes": 8, "topk": 2}]
+    check_tree_arm(arms["ours"], 3, None, batch_size=2, verify_tree=False)  # the chain: k = 3 drafts
+    for nodes in (4, 8):
+        arm = arms[f"ours_tree{nodes}"]
+        check_tree_arm(arm, nodes, {"num_nodes": nodes, "topk": 2, "depth": 3}, batch_size=2, verify_tree=True)
+        assert arm["k"] == 3 and arm["ratio_vs_plain_fast_linears"] > 0
+    assert arms["plain"].get("verify_cost") is None
+    table = capsys.readouterr().out
+    assert "verify x" in table and "ours_tree8: tree num_nodes 8, topk 2, depth 3" in table
+    assert "ours_tree4: accepted length 0, 1, ...:" in table
+
+
+def test_bench_tree_for_ours_static_and_deeper_trees(model_folder, prompts_file, tmp_path):
+    """--tree makes ours draft that tree; --tree-depth sets the compared trees' depth (their k)."""
+    out = tmp_path / "results.json"
+    status = cli.main(
+        bench_args(model_folder, prompts_file, "--method", "ngram", "--k", "2", "--num-prompts", "2",
+                   "--tree", '{"static": [[0], [1], [0, 0]]}', "--tree-nodes", "6", "--tree-depth", "4",
+                   "--verify-repeats", "1", "--out", str(out))
+    )  # fmt: skip
+    assert status == 0
+    arms = json.loads(out.read_text())["arms"]
+    assert list(arms) == ["plain", "transformers", "ours", "ours_tree6"]
+    static = {"num_nodes": 3, "topk": 2, "depth": 2, "static": [[0], [1], [0, 0]]}
+    check_tree_arm(arms["ours"], 3, static, batch_size=1, verify_tree=True)
+    check_tree_arm(arms["ours_tree6"], 6, {"num_nodes": 6, "topk": 4, "depth": 4}, batch_size=1, verify_tree=True)
+    assert arms["ours_tree6"]["k"] == 4 and arms["ours"]["k"] == 2
+    assert max(len(arms["ours_tree6"]["accepted_length_counts"]), 1) <= 5  # at most depth 4 accepted
+
+
+def test_tree_arm_names_and_configs():
+    trees = ({"num_nodes": 8}, {"num_nodes": 8, "topk": 2}, {"static": [[0], [0, 0]]})
+    assert tree_arm_names(trees) == ["ours_tree8_t4", "ours_tree8_t2", "ours_static2"]
+    assert tree_arm_names(({"num_nodes": 8, "depth": 3}, {"num_nodes": 8, "depth": 5})) == ["ours_tree8_d3", "ours_tree8_d5"]
+    assert tree_arm_names(({"num_nodes": 8}, {"num_nodes": 8})) == ["ours_tree8", "ours_tree8_1"]
+    settings = BenchSettings(method="ngram", k=5, extra_config={"cpu_linear_backend": "torch"}, trees=trees)
+    arms = {arm.name: arm for arm in build_arms(settings, build_tiny_llama())}
+    config = arms["ours_tree8_t2"].generate_kwargs["speculative_config"]
+    assert (config.tree.num_nodes, config.tree.topk, config.tree.depth, config.num_speculative_tokens) == (8, 2, 5, 5)
+    assert config.cpu_linear_backend == "torch" and arms["ours"].generate_kwargs["speculative_config"].tree is None
+    static = arms["ours_static2"].generate_kwargs["speculative_config"]
+    assert static.num_speculative_tokens == 2 and static.tree.static_paths == ((0,), (0, 0))
+    assert arms["ours_static2"].k == 2
+
+
+@pytest.mark.parametrize("nodes,topk,depth", [(64, 4, 5), (8, 4, 5), (5, 1, 5), (100, 2, 3), (16, 4, 1)])
+def test_verify_cost_times_the_largest_tree_the_spec_allows(nodes, topk, depth):
+    parents = timing_tree(TreeSpec.parse({"num_nodes": nodes, "topk": topk, "depth": depth}, max_depth=depth))
+    # EAGLE-2's most: topk children of the root, then the topk first nodes of each depth expanded into topk each
+    assert len(parents) == min(nodes, topk + (depth - 1) * topk * topk)
+    assert tree_depths(parents).max() <= depth and max(len(c) for c in children_of(parents)) <= topk
+    static = TreeSpec.parse({"static": [[0], [1], [0, 0], [0, 1], [1, 0]]}, max_depth=2)
+    assert timing_tree(static).tolist() == [-1, -1, 0, 0, 1]
+
+
 @pytest.mark.parametrize(
     "extra,fragment",
     [
+        (["--method", "ngram", "--tree", "{num_nodes: 3}"], "--tree='{num_nodes: 3}' is not valid JSON"),
+        (["--method", "ngram", "--tree", "[[0], [1]]"], "--tree='[[0], [1]]' is not a JSON object"),
+        (["--method", "suffix", "--tree", '{"num_nodes": 8}'],
+         "--tree={\"num_nodes\": 8}: speculative_config.tree is not supported with method='suffix'"),
+        (["--method", "ngram", "--k", "2", "--tree", '{"num_nodes": 8, "depth": 3}'],
+         "--tree={\"num_nodes\": 8, \"depth\": 3}: speculative_config.tree.depth=3 is out of range"),
+        (["--method", "ngram", "--k", "2", "--tree", '{"nodes": 8}'], "--tree={\"nodes\": 8}: speculative_config.tree has unknown keys"),
+        (["--method", "layer_skip", "--early-exit-layer", "1", "--tree-nodes", "8"],
+         "--tree-nodes=8: speculative_config.tree is not supported with method='layer_skip'"),
+        (["--method", "ngram", "--tree-nodes", "8,x"], "--tree-nodes='8,x'"),
+        (["--method", "ngram", "--tree-nodes", "8,300"], "--tree-nodes=8,300: speculative_config.tree.num_nodes=300"),
+        (["--method", "ngram", "--tree-nodes", "8", "--tree-topk", "0"],
+         "--tree-nodes=8 --tree-topk=0: speculative_config.tree.topk=0"),
+        (["--method", "ngram", "--k", "auto", "--tree-nodes", "8"], "--tree-nodes with --k auto needs --tree-depth"),
+        (["--method", "ngram", "--tree-topk", "2"], "give --tree-nodes too"),
+        (["--method", "ngram", "--verify-repeats", "-1"], "--verify-repeats=-1"),
+
         (["--method", "ngram", "--k", "x"], "--k"),
         (["--method", "ngram", "--k", "0"], "num_speculative_tokens"),
         (["--method", "ngram", "--k", "3", "--max-speculative-tokens", "4"], "max_speculative_tokens"),

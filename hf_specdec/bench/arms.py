@@ -12,7 +12,10 @@
 - "ours_{backend}": ours at the requested k with another fp32 CPU linear backend, one per backend
   asked for: an A/B of the GEMM routes, interleaved like every other arm;
 - "ours_{method}": another of our drafters at the same k, one per method asked for (e.g. suffix
-  against ngram on the same prompts), with that method's defaults.
+  against ngram on the same prompts), with that method's defaults;
+- "ours_tree{N}": ours drafting a tree (`speculative_config["tree"]`) instead of a chain, one per
+  tree asked for (`tree_arm_names`), the rest of ours' config unchanged: tree sizes against the
+  chain, interleaved like every other arm. (Ours itself drafts a tree when `extra_config` has one.)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from ..config import SpeculativeConfig
+from ..config import DEFAULT_TREE_TOPK, SpeculativeConfig
 from ..drafters.draft_model import load_draft_model
 from ..models.cpu_linear import resolve_backend
 
@@ -46,6 +49,12 @@ class BenchSettings:
         cpu_linear_backends: more arms of ours, one per `cpu_linear_backend` named ("ours_<backend>").
         compare_methods: more arms of ours, one per drafter method named ("ours_<method>"); methods
             that read tokens only (ngram, suffix): the others would need their own draft / settings.
+        trees: more arms of ours, one per draft tree (a `speculative_config["tree"]` value: {"num_nodes",
+            "topk", "depth"} or {"static": [...]}), named by `tree_arm_names`. A tree's
+            num_speculative_tokens is its depth where the tree gives one (a dynamic tree's "depth",
+            a static tree's deepest path), else `k`.
+        verify_repeats: timed repeats of each arm's verify forward against a 1-token forward
+            (`verify_cost.py`; 0: not timed).
     """
 
     method: str = "ngram"
@@ -59,12 +68,15 @@ class BenchSettings:
     plain_fast_linears: bool = False
     cpu_linear_backends: tuple[str, ...] = ()
     compare_methods: tuple[str, ...] = ()
+    trees: tuple[dict, ...] = ()
+    verify_repeats: int = 5
 
     def speculative_config(
-        self, k: int | str, cpu_linear_backend: str | None = None, method: str | None = None
+        self, k: int | str, cpu_linear_backend: str | None = None, method: str | None = None, tree: dict | None = None
     ) -> SpeculativeConfig:
         """Our config at `k`, with `cpu_linear_backend` where given (validated: a bad setting fails
-        before any run); `method`: another token-reading drafter with its defaults (a compare arm)."""
+        before any run); `method`: another token-reading drafter with its defaults (a compare arm);
+        `tree`: drafting that tree (a tree arm: num_speculative_tokens from the tree's depth, see `trees`)."""
         if method is not None and method != self.method:
             if method not in TOKEN_METHODS:
                 raise ValueError(f"--compare-methods {method!r} is not allowed; allowed: {', '.join(TOKEN_METHODS)}")
@@ -79,6 +91,9 @@ class BenchSettings:
             config["model"] = self.draft
         if self.early_exit_layer is not None:
             config["early_exit_layer"] = self.early_exit_layer
+        if tree is not None:
+            config["tree"] = tree
+            config["num_speculative_tokens"] = tree_depth(tree) or k
         return SpeculativeConfig.from_any(config)
 
     def to_dict(self) -> dict:
@@ -90,6 +105,7 @@ class BenchSettings:
             "sweep_ks": list(self.sweep_ks),
             "cpu_linear_backends": list(self.cpu_linear_backends),
             "compare_methods": list(self.compare_methods),
+            "trees": list(self.trees),
         }
 
 
@@ -126,7 +142,51 @@ def build_arms(settings: BenchSettings, model: PreTrainedModel) -> list[Arm]:
     for method in settings.compare_methods:
         if method != settings.method:
             arms.append(Arm(f"ours_{method}", _ours_kwargs(settings.speculative_config(settings.k, method=method)), settings.k))
+    for name, tree in zip(tree_arm_names(settings.trees), settings.trees):
+        config = settings.speculative_config(settings.k, tree=tree)
+        arms.append(Arm(name, _ours_kwargs(config), config.num_speculative_tokens))
     return arms
+
+
+def tree_depth(tree: dict) -> int | None:
+    """The depth a tree spec fixes: a dynamic tree's "depth", a static tree's deepest path (None:
+    neither, or not a valid spec, which `SpeculativeConfig` then reports)."""
+    if not isinstance(tree, dict):
+        return None
+    if "static" in tree:
+        paths = tree["static"]
+        try:
+            return max(len(path) for path in paths) or None
+        except (TypeError, ValueError):
+            return None
+    depth = tree.get("depth")
+    return depth if isinstance(depth, int) and not isinstance(depth, bool) else None
+
+
+def tree_arm_names(trees: tuple[dict, ...] | list[dict]) -> list[str]:
+    """An arm name per tree: "ours_tree{num_nodes}" for a dynamic tree, with "_t{topk}" / "_d{depth}"
+    where the trees compared differ in those, "ours_static{nodes}" for a static one, and "_{i}"
+    after a name taken twice."""
+
+    def key(tree: dict, name: str, default):
+        return tree.get(name, default) if isinstance(tree, dict) else None
+
+    dynamic = [tree for tree in trees if isinstance(tree, dict) and "static" not in tree]
+    vary_topk = len({repr(key(tree, "topk", DEFAULT_TREE_TOPK)) for tree in dynamic}) > 1
+    vary_depth = len({repr(key(tree, "depth", None)) for tree in dynamic}) > 1
+    names = []
+    for tree in trees:
+        if isinstance(tree, dict) and "static" in tree:
+            static = tree["static"]
+            name = f"ours_static{len(static) if isinstance(static, (list, tuple)) else ''}"
+        else:
+            name = f"ours_tree{key(tree, 'num_nodes', '')}"
+            if vary_topk:
+                name += f"_t{key(tree, 'topk', DEFAULT_TREE_TOPK)}"
+            if vary_depth:
+                name += f"_d{key(tree, 'depth', 'k')}"
+        names.append(name if name not in names else f"{name}_{len(names)}")
+    return names
 
 
 def sweep_arm_names(settings: BenchSettings) -> dict[int, str]:

@@ -21,6 +21,9 @@ COLUMNS = (
     ("alpha", "alpha", "{:.2f}"),
     ("c", "c", "{:.3f}"),
     ("mean k", "mean_k_chosen", "{:.2f}"),
+    ("nodes", "mean_tree_size", "{:.1f}"),
+    ("verify N", ("verify_cost", "nodes"), "{}"),
+    ("verify x", ("verify_cost", "ratio"), "{:.2f}"),
     ("identical", "identical_fraction", "{:.0%}"),
 )
 MILLISECONDS = ("ttft_s", "tpot_s")
@@ -32,7 +35,7 @@ def format_table(results: dict) -> str:
     for name, arm in results["arms"].items():
         cells = []
         for _, key, fmt in COLUMNS:
-            value = name if key is None else arm.get(key)
+            value = name if key is None else _value(arm, key)
             if key in MILLISECONDS and value is not None:
                 value *= 1000
             cells.append("" if value is None else fmt.format(value))
@@ -46,15 +49,37 @@ def format_table(results: dict) -> str:
         f"max_new_tokens {settings['max_new_tokens']}, greedy"
     )
     text.insert(0, title)
+    costs = [arm["verify_cost"] for arm in results["arms"].values() if arm.get("verify_cost")]
+    if costs:
+        text.append(
+            f"nodes: draft tokens (tree nodes) per drafted row-step; verify x: a target forward over verify N + 1 "
+            f"tokens per row / a 1-token forward, batch {costs[0]['batch_size']} (median of {costs[0]['repeats']})"
+        )
     if "cpu_linear_plan" in results:
         text.append(f"fp32 CPU linears (auto): {results['cpu_linear_plan']['text']}")
     for name, arm in results["arms"].items():
         if arm.get("acceptance_per_position"):
             per_position = " ".join(f"{p:.2f}" for p in arm["acceptance_per_position"])
             text.append(f"{name}: accepted per position {per_position}")
+        if arm.get("tree"):
+            tree = arm["tree"]
+            shape = f"static, {tree['num_nodes']} nodes" if "static" in tree else (
+                f"num_nodes {tree['num_nodes']}, topk {tree['topk']}, depth {tree['depth']}"
+            )
+            text.append(f"{name}: tree {shape}")
+        if arm.get("accepted_length_histogram"):
+            histogram = " ".join(f"{p:.2f}" for p in arm["accepted_length_histogram"])
+            text.append(f"{name}: accepted length 0, 1, ...: {histogram}")
         for divergence in arm["divergences"]:
             text.append(f"{name}: differs from plain at {divergence}")
     return "\n".join(text)
+
+
+def _value(arm: dict, key: str | tuple[str, str]):
+    if isinstance(key, tuple):
+        outer = arm.get(key[0])
+        return None if outer is None else outer.get(key[1])
+    return arm.get(key)
 
 
 def write_json(results: dict, path: str | Path) -> None:

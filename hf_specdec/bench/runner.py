@@ -21,6 +21,12 @@ a decode step's time being (total - TTFT) / (forwards - 1): the draft + verify +
 step against plain's one-token step (plain_fast_linears' when that arm runs, so that both sides
 use the same GEMM), the quantity the closed form and `auto_k` use. (Rows leave
 our batch as they finish, plain's stay to the end: at batch > 1, c is an average over sizes.)
+
+For ours also, what its drafts look like and what verifying them costs: the draft tree it drafts
+(None: a chain), the mean draft size (tree nodes, or chain drafts, per drafted row-step), the
+accepted-length histogram (the share of drafted row-steps that accepted 0, 1, 2, ... drafts) and,
+for a fixed k, `verify_cost`: a target forward over its N drafts + 1 tokens per row against a
+1-token forward, timed directly on the first batch's prompts before the arms run (`verify_cost.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from ..loop.auto_k import predicted_speedup
 from ..loop.metrics import SpecDecodeMetrics
 from ..models.cpu_linear import fast_cpu_linears, linear_plan, resolve_backend
 from .arms import Arm, BenchSettings, build_arms, sweep_arm_names
+from .verify_cost import measure_verify_costs
 
 
 @dataclass
@@ -80,6 +87,9 @@ def run_benchmark(
     warmup = tokenizer(batches[0], return_tensors="pt", padding=True).to(model.device)
     for arm in arms:
         _generate(model, arm, {**warmup, **_generate_kwargs(arm, tokenizer)}, max_new_tokens=2)
+    verify_costs = (
+        measure_verify_costs(model, warmup, arms, repeats=settings.verify_repeats) if settings.verify_repeats else {}
+    )
     bar = tqdm(
         batches, desc=f"bench {settings.method} bs={settings.batch_size}", unit="batch", disable=not progress
     )
@@ -103,7 +113,9 @@ def run_benchmark(
             ours_vs_plain=f"{runs['ours'].tokens_per_s()[-1] / runs['plain'].tokens_per_s()[-1]:.2f}x"
         )
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    results = summarize(runs, settings, num_prompts=len(prompts), weight_bytes=weight_bytes)
+    results = summarize(
+        runs, settings, num_prompts=len(prompts), weight_bytes=weight_bytes, verify_costs=verify_costs
+    )
     backends = {settings.speculative_config(settings.k).cpu_linear_backend, *settings.cpu_linear_backends}
     if any(resolve_backend(backend, [model]) == "auto" for backend in backends):
         plan = linear_plan(model)  # stored for this machine, or timed on first use: the routes "auto" ran the target's linears by
@@ -197,12 +209,17 @@ def top2_gap(model: PreTrainedModel, prompt: torch.Tensor, generated: list[int])
 
 
 def summarize(
-    runs: dict[str, ArmRuns], settings: BenchSettings, num_prompts: int, weight_bytes: int | None = None
+    runs: dict[str, ArmRuns],
+    settings: BenchSettings,
+    num_prompts: int,
+    weight_bytes: int | None = None,
+    verify_costs: dict[str, dict] | None = None,
 ) -> dict:
     """Per-arm statistics, and the sweep against the closed form.
 
     `weight_bytes` (the target's parameters): each arm's effective bandwidth, weight bytes x target
-    forwards per second, what a decode step is bound by (seed §12.5).
+    forwards per second, what a decode step is bound by (seed §12.5). `verify_costs`: per arm,
+    `measure_verify_costs`' entry (an arm's `verify_cost`).
     """
     plain = runs["plain"]
     fast = runs.get("plain_fast_linears")
@@ -224,6 +241,8 @@ def summarize(
             "tokens_per_s": statistics.median(rates),
             "ratio_vs_plain": statistics.median(r / p for r, p in zip(rates, plain_rates)),
             "identical_fraction": arm_runs.identical / arm_runs.rows if arm_runs.rows else 1.0,
+            "identical_rows": arm_runs.identical,  # of `rows` compared with plain (plain itself: 0 of 0)
+            "rows": arm_runs.rows,
             "divergences": arm_runs.divergences,
         }
         if weight_bytes:
@@ -234,6 +253,7 @@ def summarize(
             summary["ratio_vs_plain_fast_linears"] = statistics.median(r / p for r, p in zip(rates, fast_rates))
         if arm_runs.arm.k is not None:
             summary.update(_speculation_summary(arm_runs, plain_step))
+            summary["verify_cost"] = (verify_costs or {}).get(name)
         arms[name] = summary
     results = {
         "settings": settings.to_dict(),
@@ -253,7 +273,15 @@ def _speculation_summary(runs: ArmRuns, plain_step_s: float | None) -> dict:
     c = None
     if step_s is not None and plain_step_s and drafts_per_row_step > 0:
         c = (step_s / plain_step_s - 1) / drafts_per_row_step
+    config = runs.arm.generate_kwargs.get("speculative_config")
+    tree = getattr(config, "tree", None)
     return {
+        "tree": None if tree is None else tree_to_dict(tree),
+        "mean_tree_size": metrics.num_draft_tokens / metrics.num_drafts if metrics.num_drafts else 0.0,
+        "accepted_length_counts": metrics.accepted_length_counts,
+        "accepted_length_histogram": [n / metrics.num_drafts for n in metrics.accepted_length_counts]
+        if metrics.num_drafts
+        else [],
         "tau": metrics.mean_acceptance_length,
         "alpha": metrics.conditional_acceptance_rate,
         "draft_acceptance_rate": metrics.draft_acceptance_rate,
@@ -272,6 +300,14 @@ def _speculation_summary(runs: ArmRuns, plain_step_s: float | None) -> dict:
             "total": metrics.total_seconds,
         },
     }
+
+
+def tree_to_dict(tree) -> dict:
+    """A `TreeSpec` as JSON: {"num_nodes", "topk", "depth"}, and "static" (its paths) for a static tree."""
+    out = {"num_nodes": tree.num_nodes, "topk": tree.topk, "depth": tree.depth}
+    if tree.static_paths is not None:
+        out["static"] = [list(path) for path in tree.static_paths]
+    return out
 
 
 def sweep_summary(runs: dict[str, ArmRuns], settings: BenchSettings, arms: dict[str, dict]) -> dict:
