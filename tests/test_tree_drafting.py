@@ -177,3 +177,16 @@ def test_ngram_trees_match_plain_generate(enabled_llama, batch_size, tree):
     )
     assert torch.equal(out.sequences, plain)
     assert out.spec_metrics["num_accepted_tokens"] > 0
+
+
+def test_trees_refused_where_they_cannot_be_exact():
+    import families
+    from test_architectures import speculate
+
+    inputs = left_padded_batch([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]], pad_token_id=families.PAD_TOKEN_ID)
+    mistral = families.build_tiny_model("mistral")
+    with pytest.raises(ValueError, match="tree is not supported on models with sliding-window"):
+        speculate(mistral, inputs, 4, tree={"num_nodes": 4})
+    hybrid = families.build_tiny_model("jamba")
+    with pytest.raises(ValueError, match="tree is not supported on models with recurrent layers"):
+        speculate(hybrid, inputs, 4, tree={"num_nodes": 4})

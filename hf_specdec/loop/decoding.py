@@ -403,6 +403,11 @@ def _check_tree_request(cache: PagedKVCache, logits_processor: LogitsProcessorLi
         )
     if any(isinstance(p, SpeculativeGrammar) for p in logits_processor):
         raise ValueError("speculative_config.tree cannot be combined with structured output (xgrammar) yet")
+    if any(kind in ("sliding", "chunked") for kind, _ in cache.layer_kinds or ()):
+        raise ValueError(
+            "speculative_config.tree is not supported on models with sliding-window or chunked attention layers yet "
+            "(a window over a tree's slots is not defined)"
+        )
 
 
 def _initial_state(input_ids, attention_mask, generation_config, stop_checker: StopChecker) -> DecodeState:
