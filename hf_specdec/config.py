@@ -26,6 +26,7 @@ TREE_METHODS = ("ngram", "eagle", "eagle3", "draft_model")
 MAX_TREE_NODES = 256
 MAX_TREE_TOPK = 16
 DEFAULT_TREE_TOPK = 4
+AUTO_TREE_MAX_NODES = 64  # "tree": "auto" picks each step's size among 4, 8, ... up to this
 
 
 @dataclass(frozen=True)
@@ -43,14 +44,23 @@ class TreeSpec:
     topk: int
     depth: int
     static_paths: tuple[tuple[int, ...], ...] | None = None
+    auto: bool = False  # "auto": the loop picks each step's size up to num_nodes (`loop/auto_tree.py`)
+
+    def for_step(self, max_nodes: int | None) -> TreeSpec:
+        """This spec with at most `max_nodes` nodes (the size "auto" picked for the step); None: unchanged."""
+        if max_nodes is None or self.static_paths is not None or max_nodes >= self.num_nodes:
+            return self
+        return dataclasses.replace(self, num_nodes=max_nodes)
 
     @classmethod
     def parse(cls, value: Any, max_depth: int) -> TreeSpec:
-        """From the `tree` key's value: {"num_nodes", "topk", "depth"} or {"static": [[...], ...]}."""
+        """From the `tree` key's value: {"num_nodes", "topk", "depth"}, {"static": [[...], ...]} or "auto"."""
+        if value == AUTO:
+            return cls(num_nodes=AUTO_TREE_MAX_NODES, topk=DEFAULT_TREE_TOPK, depth=max_depth, auto=True)
         if not isinstance(value, dict):
             raise ValueError(
                 f"speculative_config.tree={value!r} is invalid; allowed: None, "
-                '{"num_nodes": N, "topk": K, "depth": D} or {"static": [[0], [1], [0, 0], ...]}'
+                '{"num_nodes": N, "topk": K, "depth": D}, {"static": [[0], [1], [0, 0], ...]} or "auto"'
             )
         if "static" in value:
             extra = sorted(set(value) - {"static"})
@@ -157,7 +167,8 @@ class SpeculativeConfig:
             sampled rows only, greedy rows accept the same either way).
         tree: draft a tree per row instead of a chain (`TreeSpec`; methods ngram, eagle, eagle3,
             draft_model): {"num_nodes": N, "topk": K, "depth": D} (dynamic, EAGLE-2; depth defaults to
-            num_speculative_tokens, the deepest a path may go) or {"static": [[0], [1], [0, 0], ...]}.
+            num_speculative_tokens, the deepest a path may go), {"static": [[0], [1], [0, 0], ...]}, or
+            "auto" (dynamic, topk 4, each step's size picked from the measured throughput of each size).
         cpu_linear_backend: how the target's and drafter's fp32 CPU linears run while speculating:
             "auto" (default: per input row count, the fastest of torch's BLAS (asked two ways),
             oneDNN and our numba kernel, timed once per machine on the model's own linears and stored:

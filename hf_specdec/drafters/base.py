@@ -28,6 +28,8 @@ class ProposeRequest:
     # drafter has not taken yet, per row (none before the first verify). The same queue every
     # call: what a drafter leaves there waits for its next call. None for drafters that read tokens only.
     target_features: PendingFeatures | None = None
+    # tree drafters: at most this many nodes per row this step (`"tree": "auto"` picks it per step)
+    max_tree_nodes: int | None = None
 
 
 @dataclass

@@ -251,7 +251,9 @@ class DraftModelProposer:
         cache, device, topk = self.cache, self.model.device, self.tree.topk
         rows = [int(request.rows[i]) for i in active]
         contexts = [np.array(request.token_ids[i], dtype=np.int64) for i in active]  # copies: the loop's buffer changes
-        growth = TreeGrowth(self.tree, np.array([max_draft[i] for i in active], dtype=np.int64))
+        growth = TreeGrowth(
+            self.tree.for_step(request.max_tree_nodes), np.array([max_draft[i] for i in active], dtype=np.int64)
+        )
         base = np.array([len(context) - 1 for context in contexts], dtype=np.int64)  # a depth-d node goes at base + d
         counts = np.array([len(feeds[i]) for i in active], dtype=np.int64)
         positions = np.concatenate([np.arange(last + 1 - n, last + 1) for last, n in zip(base, counts)])

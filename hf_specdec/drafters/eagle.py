@@ -151,7 +151,8 @@ class EagleProposer:
         )
         drafting = np.flatnonzero(wanted >= 1)
         if self.tree is not None:
-            tokens, parents = self._draft_tree(rows, hidden[to_device([np.cumsum(counts) - 1], device)[0]], wanted)
+            root_hidden = hidden[to_device([np.cumsum(counts) - 1], device)[0]]
+            tokens, parents = self._draft_tree(rows, root_hidden, wanted, self.tree.for_step(request.max_tree_nodes))
             for j, i in enumerate(active):
                 drafts[i] = tokens[j]
             return DraftProposal(draft_token_ids=drafts, draft_parents=_tree_parents(drafts, active, parents))
@@ -208,7 +209,7 @@ class EagleProposer:
         return hidden[0]
 
     def _draft_tree(
-        self, rows: list[int], root_hidden: torch.Tensor, wanted: np.ndarray
+        self, rows: list[int], root_hidden: torch.Tensor, wanted: np.ndarray, tree: TreeSpec
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per row, a draft tree (tokens, parents) grown from the head's output at its last context pair.
 
@@ -218,7 +219,7 @@ class EagleProposer:
         goes at most `wanted[j]` deep. A node is fed at the position its chain draft of that depth
         would take.
         """
-        growth, device = TreeGrowth(self.tree, wanted), root_hidden.device
+        growth, device = TreeGrowth(tree, wanted), root_hidden.device
         base = np.array([self.cache.seq_lens[r] for r in rows], dtype=np.int64) - 1  # a depth-d node goes at base + d
         hidden_of: dict[tuple[int, int], torch.Tensor] = {}  # (row, candidate) -> the head's output for it
 

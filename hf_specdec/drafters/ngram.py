@@ -388,7 +388,7 @@ class NgramProposer:
 
     def _propose_tree(self, request: ProposeRequest) -> DraftProposal:
         """One numba call for the batch; rows without a match (or max_draft 0) get empty arrays."""
-        tree = self.tree
+        tree = self.tree.for_step(request.max_tree_nodes)
         lengths = np.array([len(tokens) for tokens in request.token_ids], dtype=np.int64)
         row_starts = np.concatenate([[0], np.cumsum(lengths)])
         flat_tokens = np.concatenate(request.token_ids).astype(np.int64, copy=False)

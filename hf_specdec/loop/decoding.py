@@ -46,6 +46,7 @@ from ..sampling.tree import tree_depths
 from ..sampling.tree_acceptance import accept_tree
 from ..transfer import to_device
 from .auto_k import AutoKController
+from .auto_tree import AutoTreeController
 from .metrics import SpecDecodeMetrics
 from .prefill import check_model_prefill, prefill_with_model
 from .tree_verify import tree_layout, tree_prefixes
@@ -139,6 +140,7 @@ def generate(
 
     metrics = SpecDecodeMetrics()
     k_controller = AutoKController(config.max_draft_tokens) if config.auto_k else None
+    tree_controller = AutoTreeController(config.tree.num_nodes) if config.tree is not None and config.tree.auto else None
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     emitted_scores: list[list[torch.Tensor]] = [[] for _ in range(input_ids.shape[0])]
@@ -165,7 +167,7 @@ def generate(
             while not state.finished.all():
                 step = speculative_step(
                     model, state, proposer, cache, config, logits_processor, stop_checker, sampling, metrics, features,
-                    k_controller=k_controller,
+                    k_controller=k_controller, tree_controller=tree_controller,
                 )
                 for row, tokens, raw, processed in step:
                     if want_scores:
@@ -204,12 +206,14 @@ def speculative_step(
     metrics: SpecDecodeMetrics,
     features: TargetFeatureCapture | None = None,
     k_controller: AutoKController | None = None,
+    tree_controller: AutoTreeController | None = None,
 ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One draft / verify / accept step over every active row.
 
     `features` (drafters with `target_feature_layers`): hooks capturing the target's hidden states;
     the accepted positions' ones wait in `features.pending` until the drafter takes them.
-    `k_controller` (num_speculative_tokens="auto"): picks this step's k and learns from its timing.
+    `k_controller` (num_speculative_tokens="auto"): picks this step's k and learns from its timing;
+    `tree_controller` (tree="auto"): the same for the tree's size.
 
     Returns, per active row: (row, emitted tokens, their raw logits, their processed logits).
     """
@@ -222,12 +226,14 @@ def speculative_step(
     if config.disable_by_batch_size is not None and len(rows) >= config.disable_by_batch_size:
         k = 0
     max_draft = np.clip(np.minimum(k, state.max_length - seq_lens - 1), 0, None)
+    tree_size = None if tree_controller is None else tree_controller.next_size(len(rows))
     proposal = proposer.propose(
         ProposeRequest(
             rows=rows.tolist(),
             token_ids=[state.tokens(r) for r in rows],
             max_draft_tokens=max_draft.tolist(),
             target_features=None if features is None else features.pending,
+            max_tree_nodes=tree_size,
         )
     )
     if proposal.draft_probs is None:  # a grammar-forbidden deterministic draft cannot pass: cut it here
@@ -337,6 +343,8 @@ def speculative_step(
     if stopped.any():
         finished = rows[stopped].tolist()
         proposer.release(finished, [state.tokens(r) for r in finished])
+    if tree_controller is not None and num_draft.any() and num_pending.max() == 1:  # a drafted step, no prefill
+        tree_controller.record_step(len(rows), tree_size, time.perf_counter() - started, int(num_kept.sum()))
     if k_controller is not None:
         k_controller.record_step(time.perf_counter() - started, k, spec.num_draft_tokens, num_accepted.tolist())
     return emitted
