@@ -145,27 +145,24 @@ def drafter_pool_blocks(token_ids: Sequence[np.ndarray], max_length: int, k: int
     return sum(-(-(len(t) + max_new + k + 1) // block_size) for t in token_ids)
 
 
-def append_picks(
-    active: Sequence[int],
-    tokens: torch.Tensor,
-    q: torch.Tensor | None,
+def collect_drafts(
+    steps: Sequence[tuple[Sequence[int], torch.Tensor, torch.Tensor | None]],
     drafts: list[list[int]],
     probs: list[list[torch.Tensor]],
-    max_draft: Sequence[int],
-) -> list[int]:
-    """Append `tokens[j]` (and `q[j]` when sampling) to row `active[j]`'s drafts, for every j.
-
-    Returns the j whose row wants another draft (fewer than `max_draft` so far).
-    """
-    tokens = tokens.cpu().numpy()
-    wanting = []
-    for j, i in enumerate(active):
-        drafts[i].append(int(tokens[j]))
-        if q is not None:
-            probs[i].append(q[j])
-        if len(drafts[i]) < max_draft[i]:
-            wanting.append(j)
-    return wanting
+) -> None:
+    """Append each draft step's tokens (and q when sampling) to its rows' drafts: `steps` holds, per
+    step, the indices of the rows that drafted, their tokens on the device and their q. The tokens
+    of every step come to the host in one transfer."""
+    if not steps:
+        return
+    host_tokens = torch.cat([tokens for _, tokens, _ in steps]).cpu().numpy()
+    offset = 0
+    for step_rows, _, q in steps:
+        for j, i in enumerate(step_rows):
+            drafts[i].append(int(host_tokens[offset + j]))
+            if q is not None:
+                probs[i].append(q[j])
+        offset += len(step_rows)
 
 
 def autoregressive_drafts(
@@ -211,14 +208,7 @@ def autoregressive_drafts(
             fed = tokens[to_device([np.array(wanting, dtype=np.int64)], device)[0]]
     drafts: list[list[int]] = [[] for _ in rows]
     probs: list[list[torch.Tensor]] = [[] for _ in rows]
-    host_tokens = torch.cat([tokens for _, tokens, _ in steps]).cpu().numpy() if steps else np.zeros(0, np.int64)
-    offset = 0
-    for step_rows, _, q in steps:
-        for j, i in enumerate(step_rows):
-            drafts[i].append(int(host_tokens[offset + j]))
-            if q is not None:
-                probs[i].append(q[j])
-        offset += len(step_rows)
+    collect_drafts(steps, drafts, probs)
     draft_arrays = [np.array(d, dtype=np.int64) for d in drafts]
     return draft_arrays, [torch.stack(p) if p else None for p in probs]
 

@@ -36,11 +36,12 @@ if TYPE_CHECKING:
 
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
+from ..transfer import to_device
 from .base import DraftProposal, ProposeRequest
 from .drafting import (
     DraftSampling,
     DraftTokenPicker,
-    append_picks,
+    collect_drafts,
     drafter_pool_blocks,
     rows_to_feed,
     stack_draft_probs,
@@ -153,19 +154,24 @@ class MtpProposer:
     def _layer_forward(
         self,
         rows: list[int],
-        tokens: np.ndarray,
+        tokens: np.ndarray | torch.Tensor,
         hidden: torch.Tensor,
         positions: np.ndarray,
         lengths: list[int],
     ) -> torch.Tensor:
-        """One packed forward of the last MTP layer for `rows`; returns its output `[tokens, hidden]`."""
+        """One packed forward of the last MTP layer for `rows` (`tokens`: host ids, or drafts still on
+        the device); returns its output `[tokens, hidden]`."""
         metadata = self.cache.prepare_forward(rows, lengths)
+        if isinstance(tokens, np.ndarray):
+            tokens, position_ids = to_device([tokens, positions], self.device)
+        else:
+            (position_ids,) = to_device([positions], self.device)
         return self.mtp.forward_layer(
             len(self.mtp.layers) - 1,
             hidden[None],
-            torch.from_numpy(positions)[None].to(self.device),
+            position_ids[None],
             self.cache,
-            input_ids=torch.from_numpy(tokens)[None].to(self.device),
+            input_ids=tokens[None],
             paged_metadata=metadata,
         )[0]
 
@@ -226,27 +232,32 @@ class MtpProposer:
         try:
             output = self._layer_forward(fed_rows, tokens, torch.cat(hidden).to(self.device), positions, lengths)
             drafting = [j for j, i in enumerate(fed) if max_draft[i] > 0]
-            last = torch.from_numpy(np.cumsum(lengths)[drafting] - 1).to(self.device)
+            (last,) = to_device([np.cumsum(lengths)[drafting] - 1], self.device)
             previous = output.index_select(0, last)  # each drafting row's output at position n - 1
             active = [fed[j] for j in drafting]
             step_positions = np.array(ends, dtype=np.int64)[drafting] - 1
+            # which rows draft again follows from max_draft alone: the drafts stay on the device
+            # and come back in one transfer at the end, not one sync per draft step
+            steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
             while active:
                 logits = self.mtp._project_to_logits(previous)
                 picked, q = self.picker.pick(logits, [rows[i] for i in active])
-                keep = append_picks(active, picked, q, drafts, probs, max_draft)
+                steps.append((active, picked, q))
+                keep = [j for j, i in enumerate(active) if len(steps) < max_draft[i]]
                 # 2. recursion: the draft at the next position, with the layer's own previous output
                 active = [active[j] for j in keep]
                 if not active:
                     break
                 step_positions = step_positions[keep] + 1
-                keep_index = torch.tensor(keep, device=self.device)
+                (keep_index,) = to_device([np.array(keep, dtype=np.int64)], self.device)
                 previous = self._layer_forward(
                     [rows[i] for i in active],
-                    np.array([drafts[i][-1] for i in active], dtype=np.int64),
+                    picked.index_select(0, keep_index),
                     previous.index_select(0, keep_index),
                     step_positions,
                     [1] * len(active),
                 )
+            collect_drafts(steps, drafts, probs)
         finally:
             for row, length in real_lengths.items():  # drop the speculative entries
                 cache.rollback(row, length)
