@@ -5,6 +5,7 @@ on one CUDA GPU, with an oracle drafter of set acceptance (issue #34). Nothing i
     python benchmarks/bench_gpu.py --attention      # + the paged attention kernel vs gather + SDPA
     python benchmarks/bench_gpu.py --batches 1,32 --ks 4 --alphas 0.8 --contexts 1k   # a grid of your own
     python benchmarks/bench_gpu.py --attention-only
+    python benchmarks/bench_gpu.py --tree-widths 4,2,2,1 --tree-cells all   # the tree arm in every cell
     python benchmarks/bench_gpu.py --cpu-smoke      # the same code paths on a tiny fp32 Llama on CPU (< 1 min)
 
 The target: LlamaConfig hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV heads, vocab
@@ -19,9 +20,34 @@ The forwards cost the same either way.
 
 The drafter is an oracle (`OracleProposer`): row r, n tokens into its output, proposes plain
 generate()'s greedy tokens n..n+k-1, each replaced by a wrong id with probability 1 - alpha
-(seeded), so the acceptance is set and the output must stay plain's. It gets into the loop by
-replacing `hf_specdec.loop.decoding.build_proposer` for the call (there is no public hook for a
-proposer object); the carrier config is {"method": "ngram", "num_speculative_tokens": k}.
+(seeded, the draws keyed by row, position and rank), so the acceptance is set and the output must
+stay plain's. It gets into the loop by replacing `hf_specdec.loop.decoding.build_proposer` for the
+call (there is no public hook for a proposer object); the carrier config is {"method": "ngram",
+"num_speculative_tokens": k}.
+
+The tree arm (`ours_tree`, issue #35): the same oracle in tree form. `--tree-widths 4,2,2,1`
+(children per node at each depth) gives every row, every step, the full tree of that shape: 4 +
+8 + 16 + 16 = 44 nodes, depth 4, compared with the chain of k = 4 at the same alpha. At each depth
+the children of the node on the correct path hold the reference token with chance a_d, the other
+candidates (and every child of a node off the correct path) distinct wrong tokens. What alpha means
+for the tree (`--tree-acceptance`):
+  per-candidate (default): alpha per candidate, as the chain's per draft: candidate c (rank order)
+    is the reference with chance alpha given candidates 0..c-1 are not, so a_d = 1 - (1 - alpha)^w_d
+    (4,2,2,1 at 0.8: 0.998, 0.96, 0.96, 0.8) and the top candidate is the reference exactly when the
+    chain's draft at that position is (the same draws): the chain is the tree with widths 1, the
+    tree's tau is at least the chain's in every run, and the tree arm against the chain measures
+    what the extra candidates gain against what verifying them costs;
+  per-depth: alpha per depth: the reference is a child with chance alpha (the chain's draw) at a
+    uniform rank: the tree accepts exactly the chain's tokens (same tau) and the arm measures the
+    cost of the extra nodes alone.
+The carrier config gains {"tree": {"num_nodes": 44, "topk": 4, "depth": 4}} (ngram takes a tree;
+the loop sizes its KV pool for num_nodes more slots per row); the oracle builds the trees itself.
+Per tree cell, next to ours' fields: tokens/s, x plain, x chain (tokens/s over the chain arm's at the
+same batch, context, alpha and k = depth), tau (and the chain's), nodes per step, the verify forward
+(decode steps' forward, CUDA events) and its ratio to the chain's, the expected tokens per step
+1 + a_1 + a_1 a_2 + ..., the measured a_d. `--tree-cells`: headline (the default: batch 1 and 32,
+alpha 0.8, 1k, ~10 s of the budget), all (every (batch, context, alpha) of the grid), none; a
+chain cell of k = depth is added where the grid has none.
 
 Arms, per (batch, context): plain generate() (dynamic cache); plain generate() with
 `cache_implementation="static"` and `compile_config=CompileConfig(mode="reduce-overhead")`
@@ -49,7 +75,8 @@ context, batch 1 and 32, 5 query tokens per row, Llama-8B head shapes, bf16, blo
 pool; CUDA events, median of repeats after warm-up; max |kernel - reference|.
 
 Default grid (`default_grid`, in this order, 128 new tokens, 2 timed calls per arm): ours at alpha
-0.8, k 4, context 1k, batch 1 then 32 (the headline points, each with plain first); the compiled
+0.8, k 4, context 1k, batch 1 then 32 (the headline points, each with plain first, then the tree
+arm); the compiled
 arm at those two shapes; alpha 0.6 / 0.9 and k 2 / 8 at batch 1 and at batch 32; batch 8 and 64 at
 1k; batch 1 and 8 at 8k; the alpha x k corners at batch 1. Estimated (not yet measured) on an H200:
 ~4.5 min, of which the two compiles are ~2 min; `--budget-s` (default 255 s) drops the tail if
@@ -60,9 +87,11 @@ gather + SDPA path instead).
 would end past the budget, counted from the start of main(); skipped cells are listed in the JSON.
 The JSON (`--out`, default benchmarks/bench_gpu_<gpu-name>.json) holds every number printed.
 `--cpu-smoke`: a 2-layer fp32 Llama (hidden 64, vocab 512) on CPU, batch 1 and 2, k 2, context
-64, 12 tokens, random weights; the static-cache arm runs eagerly (compile skipped: recorded in
-the JSON); the attention section runs the reference only, and the kernel as well when
-TRITON_INTERPRET=1 is set (Triton's CPU interpreter). It exits 1 when ours differs from plain.
+64, 32 tokens, random weights, the tree arm (widths 2,2) in both cells; the static-cache arm runs
+eagerly (compile skipped: recorded in the JSON); the attention section runs the reference only,
+and the kernel as well when TRITON_INTERPRET=1 is set (Triton's CPU interpreter). It exits 1 when
+ours or the tree arm differs from plain, or a tree check fails (`smoke_tree_checks`: per-candidate
+tau at least the chain's per cell and above it pooled over the cells; per-depth: equal).
 """
 
 from __future__ import annotations
@@ -88,6 +117,7 @@ import transformers
 from transformers import AutoModelForCausalLM, CompileConfig, LlamaConfig, PreTrainedModel
 
 import hf_specdec
+from hf_specdec.config import SpeculativeConfig
 from hf_specdec.drafters import DraftProposal, ProposeRequest
 from hf_specdec.loop import decoding
 from hf_specdec.loop.auto_k import expected_tokens
@@ -120,8 +150,10 @@ FIRST_PROMPT_ID = 3  # prompts draw ids from here on
 HEADLINE_SHAPES = ((1, 1024), (32, 1024))  # (batch, context): the compiled arm runs here by default
 FULL_BATCHES, FULL_KS, FULL_ALPHAS, FULL_CONTEXTS = (1, 8, 32, 64), (2, 4, 8), (0.6, 0.8, 0.9), (1024, 8192)
 # a cell's cost before one of its kind was measured (seconds; on an H200, guessed)
-PRIOR_COST_S = {"plain": 15.0, "compiled": 100.0, "ours": 8.0}
-SMOKE_PRIOR_COST_S = {"plain": 2.0, "compiled": 2.0, "ours": 2.0}
+PRIOR_COST_S = {"plain": 15.0, "compiled": 100.0, "ours": 8.0, "ours_tree": 10.0}
+SMOKE_PRIOR_COST_S = {"plain": 2.0, "compiled": 2.0, "ours": 2.0, "ours_tree": 2.0}
+HEADLINE_ALPHA = 0.8
+TREE_WIDTHS, SMOKE_TREE_WIDTHS = "4,2,2,1", "2,2"  # children per node at each depth (--tree-widths)
 FORMULA = (
     "predicted speedup = (1 - alpha^(k+1)) / ((1 - alpha) (1 + c k)) (seed §12.5, hf_specdec/loop/auto_k.py), "
     "1 + c k = step_cost_ratio = ours' time per decode step / plain's time per decode step (first steps excluded), "
@@ -146,7 +178,9 @@ NOTES = {
 class Cell:
     """One unit of the grid: the compiled arm of a shape, or ours at one (alpha, k)."""
 
-    kind: str  # "compiled" or "ours" (plain runs once per shape, when a cell of the shape first needs it)
+    # "compiled", "ours" (the chain oracle) or "ours_tree" (the tree oracle, k = its depth); plain runs once
+    # per shape, when a cell of the shape first needs it
+    kind: str
     batch: int
     context: int
     alpha: float | None = None
@@ -159,27 +193,128 @@ class Cell:
     def label(self) -> str:
         if self.kind == "ours":
             return f"ours b={self.batch} ctx={self.context} alpha={self.alpha} k={self.k}"
+        if self.kind == "ours_tree":
+            return f"ours_tree b={self.batch} ctx={self.context} alpha={self.alpha} depth={self.k}"
         return f"{self.kind} b={self.batch} ctx={self.context}"
 
 
 # --- the oracle drafter ----------------------------------------------------------------------------
 
 
+def tree_topology(widths: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """The full tree of `widths` (every node at depth d has widths[d] children), in level order (a
+    depth's nodes after the shallower ones, siblings together, in rank order): each node's parent
+    (-1: a child of the root), depth (1-based), rank among its siblings; each depth's first node and
+    the node count of the depths up to L (`upto[L]`, L = 0..len(widths))."""
+    sizes = np.cumprod(widths).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    parents, depths, ranks = [], [], []
+    for d, (width, size) in enumerate(zip(widths, sizes)):
+        local = np.arange(size)
+        parents.append(np.full(size, -1) if d == 0 else starts[d - 1] + local // width)
+        depths.append(np.full(size, d + 1))
+        ranks.append(local % width)
+    return {
+        "parents": np.concatenate(parents).astype(np.int64),
+        "depths": np.concatenate(depths).astype(np.int64),
+        "ranks": np.concatenate(ranks).astype(np.int64),
+        "starts": starts[:-1],
+        "upto": starts,
+    }
+
+
+def tree_alpha_per_depth(alpha: float, widths: tuple[int, ...], acceptance: str) -> list[float]:
+    """The chance the tree's correct path goes one depth deeper, given it reached the depth above:
+    per-candidate: 1 - (1 - alpha)^w_d (each candidate a try that hits with probability alpha);
+    per-depth: alpha at every depth (see OracleProposer)."""
+    if acceptance == "per-depth":
+        return [alpha] * len(widths)
+    return [1 - (1 - alpha) ** width for width in widths]
+
+
+def expected_tree_tokens(alpha_per_depth: list[float]) -> float:
+    """Tokens a step yields on average, 1 + sum over d of the chance its path is d deep:
+    1 + a_1 + a_1 a_2 + ... (the chain's 1 + alpha + ... + alpha^k when every a_d is alpha)."""
+    return 1.0 + float(np.sum(np.cumprod(alpha_per_depth)))
+
+
+def distinct_offsets(seed: int, shape: tuple[int, int], columns: int, vocab_size: int) -> np.ndarray:
+    """`[*shape, columns]` ints in 1..vocab_size-1, distinct along the last axis: the shifts that turn
+    a reference token into wrong candidates. Column c comes from its own stream (seeded by (seed, c))
+    and is redrawn where it repeats an earlier column: column 0 does not depend on `columns`."""
+    if columns > vocab_size - 1:
+        raise ValueError(
+            f"{columns} distinct wrong tokens need a vocabulary over {columns}, not {vocab_size}"
+        )
+    out = np.empty((*shape, columns), dtype=np.int64)
+    for column in range(columns):
+        rng = np.random.default_rng([seed, 1, column])
+        values = rng.integers(1, vocab_size, shape)
+        while True:
+            clash = (values[..., None] == out[..., :column]).any(-1)
+            if not clash.any():
+                break
+            values[clash] = rng.integers(1, vocab_size, int(clash.sum()))
+        out[..., column] = values
+    return out
+
+
 class OracleProposer:
-    """Proposes each row's reference greedy continuation, each token replaced by a wrong one with
-    probability 1 - alpha (a `Proposer`: `propose`, `release`).
+    """Proposes each row's reference greedy continuation, a chain (`widths` None) or a tree, with
+    wrong tokens at a set rate (a `Proposer`: `propose`, `release`).
 
     `reference` `[rows, new tokens]`: plain generate()'s new tokens; every row's prompt is
-    `prompt_len` tokens (no padding). Also records when each step began (its `propose` call) and
-    the tokens every row had generated by then.
+    `prompt_len` tokens (no padding). The random draws are keyed by (row, new-token position,
+    candidate rank), not drawn step by step, and the chain and the tree read the same ones: try
+    t(r, p, c) uniform, wrong token (reference[r, p] + offset(r, p, c)) mod vocab, offsets distinct
+    over c. Each position is tested at most once in a run, so keyed draws are as good as fresh ones.
+
+    Chain: the draft at position p is the reference iff t(r, p, 0) < alpha, else its wrong token 0.
+
+    Tree (`widths` (w_1, ..., w_D)): every node at depth d has w_d children, sum over d of
+    w_1 ... w_d nodes per row and step (shallower when the row has fewer tokens left: depth <=
+    max_draft_tokens). The children of a node on the correct path (the root, then each node that
+    holds the reference token of its depth) hold the reference token of their depth with chance
+    a_d, at rank h; the other children are wrong tokens 0, 1, ... of the position (rank c: wrong
+    token c); a node off the correct path gets wrong children only. `acceptance`:
+    - "per-candidate" (alpha as the chain's, per candidate): h = the first rank c < w_d with
+      t(r, p, c) < alpha; so a_d = 1 - (1 - alpha)^w_d, the top-ranked candidate is the reference
+      exactly when the chain's draft at that position is, and widths of 1 are the chain. Per
+      position, the tree accepts whatever the chain accepts and more: its tau is at least the
+      chain's at the same alpha (strictly above, in expectation, when some w_d > 1 and alpha < 1).
+    - "per-depth" (alpha per depth): the reference is a child iff t(r, p, 0) < alpha (the chain's
+      draw), at a uniform random rank; a_d = alpha, the tree accepts exactly the chain's tokens
+      (same tau), and the tree arm against the chain measures what verifying the extra nodes costs.
+
+    Also records when each step began (its `propose` call) and the tokens every row had generated by then.
     """
 
-    def __init__(self, reference: np.ndarray, prompt_len: int, alpha: float, vocab_size: int, seed: int):
-        self.reference = reference
+    def __init__(
+        self,
+        reference: np.ndarray,
+        prompt_len: int,
+        alpha: float,
+        vocab_size: int,
+        seed: int,
+        widths: tuple[int, ...] | None = None,
+        acceptance: str = "per-candidate",
+    ):
+        if acceptance not in ("per-candidate", "per-depth"):
+            raise ValueError(f"acceptance={acceptance!r}; allowed: per-candidate, per-depth")
+        self.reference = np.asarray(reference, dtype=np.int64)
         self.prompt_len = prompt_len
         self.alpha = alpha
         self.vocab_size = vocab_size
-        self.rng = np.random.default_rng(seed)
+        self.widths = None if widths is None else tuple(int(w) for w in widths)
+        self.acceptance = acceptance
+        shape = self.reference.shape
+        columns = 1 if self.widths is None else max(self.widths)
+        self.tries = np.stack(
+            [np.random.default_rng([seed, 0, c]).random(shape) for c in range(columns)], axis=-1
+        )
+        self.offsets = distinct_offsets(seed, shape, columns, vocab_size)
+        self.rank_draws = np.random.default_rng([seed, 2]).random(shape)  # per-depth: the reference's rank
+        self.topology = None if self.widths is None else tree_topology(self.widths)
         self.step_started: list[float] = []
         self.generated_at_step: list[int] = []  # tokens generated so far, summed over the step's rows
         self.propose_seconds = (
@@ -190,18 +325,52 @@ class OracleProposer:
         self.step_started.append(time.perf_counter())
         generated = np.array([len(tokens) for tokens in request.token_ids], dtype=np.int64) - self.prompt_len
         self.generated_at_step.append(int(generated.sum()))
-        width = max(request.max_draft_tokens, default=0)
-        wrong = self.rng.random((len(request.rows), width)) >= self.alpha
-        shift = self.rng.integers(1, self.vocab_size, (len(request.rows), width))
+        if self.widths is None:
+            proposal = self._chain(request, generated)
+        else:
+            proposal = self._tree(request, generated)
+        self.propose_seconds += time.perf_counter() - self.step_started[-1]
+        return proposal
+
+    def _chain(self, request: ProposeRequest, generated: np.ndarray) -> DraftProposal:
         drafts = []
         for i, (row, limit) in enumerate(zip(request.rows, request.max_draft_tokens)):
-            right = self.reference[row, generated[i] : generated[i] + limit]
-            n = len(right)
-            drafts.append(
-                np.where(wrong[i, :n], (right + shift[i, :n]) % self.vocab_size, right).astype(np.int64)
-            )
-        self.propose_seconds += time.perf_counter() - self.step_started[-1]
+            span = slice(generated[i], generated[i] + limit)
+            right = self.reference[row, span]
+            wrong = self.tries[row, span, 0] >= self.alpha
+            drafts.append(np.where(wrong, (right + self.offsets[row, span, 0]) % self.vocab_size, right))
         return DraftProposal(draft_token_ids=drafts)
+
+    def _tree(self, request: ProposeRequest, generated: np.ndarray) -> DraftProposal:
+        topology, widths = self.topology, np.array(self.widths, dtype=np.int64)
+        depth, last = len(widths), self.reference.shape[1] - 1
+        rows = np.asarray(request.rows, dtype=np.int64)[:, None]
+        # every node's wrong token (rank c: the position's wrong token c); nodes past the end are cut below
+        node_positions = np.minimum(generated[:, None] + topology["depths"][None] - 1, last)
+        tokens = (
+            self.reference[rows, node_positions] + self.offsets[rows, node_positions, topology["ranks"][None]]
+        ) % self.vocab_size
+        # the correct path: at each depth, does the reference sit among the on-path node's children, at which rank
+        positions = np.minimum(generated[:, None] + np.arange(depth)[None], last)  # [rows, depth]
+        if self.acceptance == "per-candidate":
+            tries = self.tries[rows, positions] < self.alpha  # [rows, depth, max width]
+            tries &= np.arange(tries.shape[-1])[None, None] < widths[None, :, None]
+            hit, rank = tries.any(-1), tries.argmax(-1)
+        else:
+            hit = self.tries[rows, positions, 0] < self.alpha
+            rank = np.minimum((self.rank_draws[rows, positions] * widths[None]).astype(np.int64), widths - 1)
+        on_path = np.cumprod(hit, axis=1).astype(bool)
+        right = self.reference[rows, positions]
+        local = np.zeros(len(generated), dtype=np.int64)  # the on-path node's index within its depth
+        for d in range(depth):
+            local = local * widths[d] + rank[:, d]
+            alive = np.flatnonzero(on_path[:, d])
+            tokens[alive, topology["starts"][d] + local[alive]] = right[alive, d]
+        sizes = topology["upto"][np.minimum(np.asarray(request.max_draft_tokens, dtype=np.int64), depth)]
+        return DraftProposal(
+            draft_token_ids=[tokens[i, :n].copy() for i, n in enumerate(sizes)],
+            draft_parents=[topology["parents"][:n].copy() for n in sizes],
+        )
 
     def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
         pass
@@ -339,6 +508,7 @@ class ShapeRun:
     plain: dict
     compiled: dict | None = None
     ours_warmed_up: bool = False
+    tree_warmed_up: bool = False  # the tree arm's verify forwards are another shape (and mask): own warm-up
 
 
 def timed_generate(
@@ -432,18 +602,41 @@ def raise_recompile_limit(limit: int = 64) -> None:
             return
 
 
-def carrier_config(k: int) -> dict:
-    """The speculative_config generate() receives; the oracle replaces the drafter it names."""
-    return {"method": "ngram", "num_speculative_tokens": k, "cpu_linear_backend": "torch"}
+def tree_spec(widths: tuple[int, ...]) -> dict:
+    """The `tree` entry for the oracle's tree of `widths`: its node count, its widest node's
+    children (topk) and its depth. The loop reads it to size the KV pool (num_nodes slots per row
+    past the kept tokens); the oracle builds the trees itself."""
+    return {"num_nodes": int(tree_topology(widths)["upto"][-1]), "topk": max(widths), "depth": len(widths)}
 
 
-def ours_once(model, shape: ShapeRun, alpha: float, k: int, max_new_tokens: int, seed: int) -> dict:
-    """One speculative generate() with the oracle; wall time and the loop's own measurements."""
-    oracle = OracleProposer(shape.reference, shape.context, alpha, model.config.vocab_size, seed)
+def carrier_config(k: int, widths: tuple[int, ...] | None = None) -> dict:
+    """The speculative_config generate() receives; the oracle replaces the drafter it names (ngram:
+    a tree method, so it takes the `tree` key of the tree arm, with k = the tree's depth)."""
+    config = {"method": "ngram", "num_speculative_tokens": k, "cpu_linear_backend": "torch"}
+    if widths is not None:
+        config["tree"] = tree_spec(widths)
+    return config
+
+
+def ours_once(
+    model, shape: ShapeRun, alpha: float, k: int, max_new_tokens: int, seed: int,
+    widths: tuple[int, ...] | None = None, acceptance: str = "per-candidate",
+) -> dict:  # fmt: skip
+    """One speculative generate() with the oracle (a tree of `widths`, else a chain of k); wall
+    time and the loop's own measurements."""
+    oracle = OracleProposer(
+        shape.reference,
+        shape.context,
+        alpha,
+        model.config.vocab_size,
+        seed,
+        widths=widths,
+        acceptance=acceptance,
+    )
     with oracle_in_loop(oracle), timed_forwards(model.device) as forwards:
         wall_s, out = timed_generate(
             model, shape.prompts, max_new_tokens, custom_generate=hf_specdec.generate,
-            speculative_config=carrier_config(k), return_dict_in_generate=True,
+            speculative_config=carrier_config(k, widths), return_dict_in_generate=True,
         )  # fmt: skip
         ended = time.perf_counter()
     return {
@@ -459,14 +652,30 @@ def ours_once(model, shape: ShapeRun, alpha: float, k: int, max_new_tokens: int,
     }
 
 
-def run_ours(model, shape: ShapeRun, alpha: float, k: int, args, weight_bytes: int) -> dict:
+def run_ours(
+    model,
+    shape: ShapeRun,
+    alpha: float,
+    k: int,
+    args,
+    weight_bytes: int,
+    widths: tuple[int, ...] | None = None,
+) -> dict:
     """Ours at (alpha, k) on a shape, `args.repeats` timed calls (the same drafts each time);
-    one short warm-up call per shape first."""
+    one short warm-up call per shape first (per shape and arm: chain, tree). With `widths` the
+    oracle drafts trees of those widths (k must be their depth), with `args.tree_acceptance`; the
+    seed is the chain's at the same (alpha, k), so the two arms read the same draws."""
     seed = args.seed * 7919 + int(alpha * 1000) * 31 + k
-    if not shape.ours_warmed_up:
-        ours_once(model, shape, alpha, k, min(8, args.max_new_tokens), seed)
-        shape.ours_warmed_up = True
-    runs = [ours_once(model, shape, alpha, k, args.max_new_tokens, seed) for _ in range(args.repeats)]
+    acceptance = getattr(args, "tree_acceptance", "per-candidate")
+
+    def once(tokens: int) -> dict:
+        return ours_once(model, shape, alpha, k, tokens, seed, widths, acceptance)
+
+    warmed = "ours_warmed_up" if widths is None else "tree_warmed_up"
+    if not getattr(shape, warmed):
+        once(min(8, args.max_new_tokens))
+        setattr(shape, warmed, True)
+    runs = [once(args.max_new_tokens) for _ in range(args.repeats)]
     run = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]  # the median call: its breakdown
     metrics = run["metrics"]
     steps = metrics["num_target_forwards"]
@@ -486,7 +695,11 @@ def run_ours(model, shape: ShapeRun, alpha: float, k: int, args, weight_bytes: i
     )
     cost_ratio = ours_step_s / plain_step_s if ours_step_s and plain_step_s else None
     measured_alpha = metrics["conditional_acceptance_rate"]
+    expected = expected_tokens(alpha, k)
+    if widths is not None:
+        expected = expected_tree_tokens(tree_alpha_per_depth(alpha, widths, acceptance))
     summary = {
+        "arm": "ours" if widths is None else "ours_tree",
         "batch": batch,
         "context": shape.context,
         "alpha": alpha,
@@ -503,6 +716,10 @@ def run_ours(model, shape: ShapeRun, alpha: float, k: int, args, weight_bytes: i
         "forwards_timed": len(run["forward_s"]),  # == target_forwards, else the forward times miss some
         "weights_gb_per_s": weight_bytes * steps / wall / 1e9,
         "tau": metrics["mean_acceptance_length"],
+        "num_drafts": metrics[
+            "num_drafts"
+        ],  # row-steps that drafted: tau = 1 + num_accepted_tokens / num_drafts
+        "num_accepted_tokens": metrics["num_accepted_tokens"],
         "measured_alpha": measured_alpha,
         "draft_acceptance_rate": metrics["draft_acceptance_rate"],
         "acceptance_per_position": [n / metrics["num_drafts"] for n in metrics["num_accepted_tokens_per_pos"]]
@@ -534,17 +751,21 @@ def run_ours(model, shape: ShapeRun, alpha: float, k: int, args, weight_bytes: i
         },
         "prefill_forward_ms": run["forward_s"][0] * 1000,
         "outside_loop_ms": (wall - metrics["total_seconds"]) * 1000,
-        "expected_tokens_per_step": expected_tokens(alpha, k),
+        "expected_tokens_per_step": expected,
         "drafts_per_row_step": drafts_per_row_step,
+        # draft tokens (a tree's nodes) per row-step that drafted (rows with 1 token left draft none)
+        "drafts_per_drafting_row_step": metrics["num_draft_tokens"] / metrics["num_drafts"]
+        if metrics["num_drafts"]
+        else 0.0,
         "step_cost_ratio": cost_ratio,
         "c": (cost_ratio - 1) / drafts_per_row_step if cost_ratio and drafts_per_row_step else None,
-        "predicted_speedup": expected_tokens(alpha, k) / cost_ratio if cost_ratio else None,
+        "predicted_speedup": expected / cost_ratio if cost_ratio else None,
         "predicted_speedup_measured_alpha": expected_tokens(measured_alpha, k) / cost_ratio
         if cost_ratio
         else None,
         # the same with the step's forward alone against plain's step: what a free loop and drafter would give
         "verify_cost_ratio": decode_forward_s / plain_step_s if decode_forward_s and plain_step_s else None,
-        "predicted_speedup_forward_only": expected_tokens(alpha, k) * plain_step_s / decode_forward_s
+        "predicted_speedup_forward_only": expected * plain_step_s / decode_forward_s
         if decode_forward_s and plain_step_s
         else None,
         "measured_decode_speedup": plain_step_s / (decode_s / decode_tokens_per_row)
@@ -553,6 +774,37 @@ def run_ours(model, shape: ShapeRun, alpha: float, k: int, args, weight_bytes: i
         "exactness_vs_plain": exactness(shape.reference, run["tokens"]),
         "repeats_identical": all(np.array_equal(runs[0]["tokens"], r["tokens"]) for r in runs[1:]),
     }
+    return summary
+
+
+def add_tree_fields(summary: dict, chain: dict | None, widths: tuple[int, ...], acceptance: str) -> dict:
+    """The tree arm's own fields on its `run_ours` summary, and its comparison with `chain` (the
+    chain arm's summary at the same batch, context, alpha and k = the tree's depth; None when that
+    did not run)."""
+    per_depth = summary[
+        "acceptance_per_position"
+    ]  # the share of drafting row-steps whose path reached depth d
+    reached = [1.0, *per_depth[:-1]]
+    forward = summary["per_step_ms"]["decode_forward"]
+    summary["tree"] = {
+        "widths": list(widths), **tree_spec(widths), "acceptance": acceptance,
+        "alpha_per_depth": tree_alpha_per_depth(summary["alpha"], widths, acceptance),
+        "speculative_config": carrier_config(len(widths), widths),
+    }  # fmt: skip
+    summary["nodes_per_step"] = summary["drafts_per_drafting_row_step"]
+    # P(path reaches depth d | it reached d - 1), measured (the last steps' shallower trees pull the deepest down)
+    summary["measured_alpha_per_depth"] = [n / r if r else None for n, r in zip(per_depth, reached)]
+    summary["verify_forward_ms"] = forward
+    summary["chain"] = chain and {
+        "k": chain["k"], "tokens_per_s": chain["tokens_per_s"], "tau": chain["tau"], "num_drafts": chain["num_drafts"],
+        "num_accepted_tokens": chain["num_accepted_tokens"],
+        "measured_alpha": chain["measured_alpha"], "verify_forward_ms": chain["per_step_ms"]["decode_forward"],
+        "decode_step_ms": chain["per_step_ms"]["decode_step"],
+    }  # fmt: skip
+    chain_forward = chain and chain["per_step_ms"]["decode_forward"]
+    summary["ratio_vs_chain"] = summary["tokens_per_s"] / chain["tokens_per_s"] if chain else None
+    summary["tau_ratio_vs_chain"] = summary["tau"] / chain["tau"] if chain else None
+    summary["verify_forward_ratio_vs_chain"] = forward / chain_forward if forward and chain_forward else None
     return summary
 
 
@@ -610,6 +862,36 @@ def with_compile_choice(cells: list[Cell], choice: str) -> list[Cell]:
     return cells
 
 
+def with_tree_cells(cells: list[Cell], depth: int, which: str) -> list[Cell]:
+    """`cells` with the tree arm added: after the chain cell of the same (batch, context, alpha) and
+    k = `depth` (inserted after the first chain cell of that (batch, context, alpha) when the grid
+    has none), for "headline": the headline shapes at alpha 0.8; "all": every (batch, context,
+    alpha) of the grid; "none": no tree cells."""
+    if which == "none":
+        return list(cells)
+
+    def wanted(cell: Cell) -> bool:
+        headline = cell.shape in HEADLINE_SHAPES and cell.alpha == HEADLINE_ALPHA
+        return cell.kind == "ours" and (which == "all" or headline)
+
+    keys = {(cell.batch, cell.context, cell.alpha) for cell in cells if wanted(cell)}
+    has_chain = {key for key in keys if Cell("ours", *key, depth) in cells}
+    result, done = [], set()
+    for cell in cells:
+        key = (cell.batch, cell.context, cell.alpha)
+        if cell in result:
+            continue  # the chain cell at k = depth, inserted earlier
+        result.append(cell)
+        if cell.kind != "ours" or key not in keys or key in done:
+            continue
+        if cell.k == depth or key not in has_chain:
+            if cell.k != depth:
+                result.append(Cell("ours", *key, depth))
+            result.append(Cell("ours_tree", *key, depth))
+            done.add(key)
+    return result
+
+
 def smoke_grid() -> list[Cell]:
     return [
         Cell("ours", 1, 64, 0.8, 2),
@@ -652,6 +934,7 @@ def run_grid(model, cells: list[Cell], args, started: float, results: dict) -> N
     shapes: dict[tuple[int, int], ShapeRun] = {}
     book = CostBook(SMOKE_PRIOR_COST_S if args.cpu_smoke else PRIOR_COST_S)
     failed_shapes: set[tuple[int, int]] = set()  # plain failed there: nothing to compare with
+    chains: dict[tuple, dict] = {}  # (batch, context, alpha, k): the chain arm's summary, for the tree arm
     for cell in cells:
         if cell.shape in failed_shapes:
             results["skipped"].append(
@@ -680,9 +963,19 @@ def run_grid(model, cells: list[Cell], args, started: float, results: dict) -> N
                 shape.compiled = run_compiled(model, shape, args, weight_bytes)
                 results["compiled"][shape_key(cell.shape)] = shape.compiled
                 print_compiled(cell.shape, shape.compiled)
+            elif cell.kind == "ours_tree":
+                summary = run_ours(
+                    model, shape, cell.alpha, cell.k, args, weight_bytes, widths=args.tree_widths
+                )
+                chain = chains.get((cell.batch, cell.context, cell.alpha, cell.k))
+                results["tree_cells"].append(
+                    add_tree_fields(summary, chain, args.tree_widths, args.tree_acceptance)
+                )
+                print_tree(summary)
             else:
                 summary = run_ours(model, shape, cell.alpha, cell.k, args, weight_bytes)
                 results["cells"].append(summary)
+                chains[(cell.batch, cell.context, cell.alpha, cell.k)] = summary
                 print_ours(summary)
             book.record(cell.kind, cell.batch, cell.context, time.perf_counter() - clock)
         except Exception as error:  # one failing arm (compile, out of memory) must not lose the others
@@ -694,7 +987,7 @@ def run_grid(model, cells: list[Cell], args, started: float, results: dict) -> N
             if model.device.type == "cuda":
                 torch.cuda.empty_cache()
     # ratios to the compiled arm for ours cells that ran before their shape's compiled arm
-    for summary in results["cells"]:
+    for summary in results["cells"] + results["tree_cells"]:
         compiled = results["compiled"].get(shape_key((summary["batch"], summary["context"])))
         if summary["ratio_vs_compiled"] is None and compiled:
             summary["ratio_vs_compiled"] = summary["tokens_per_s"] / compiled["tokens_per_s"]
@@ -903,6 +1196,27 @@ def print_ours(summary: dict) -> None:
     )
 
 
+def print_tree(summary: dict) -> None:
+    steps, exact, tree, chain = (
+        summary["per_step_ms"],
+        summary["exactness_vs_plain"],
+        summary["tree"],
+        summary["chain"],
+    )
+    print(
+        f"ours_tree b={summary['batch']:<3} ctx={summary['context']:<6} a={summary['alpha']} widths "
+        f"{','.join(map(str, tree['widths']))} ({tree['num_nodes']} nodes, depth {tree['depth']}, {tree['acceptance']})  "
+        f"{summary['tokens_per_s']:9.1f} tok/s  x{summary['ratio_vs_plain']:.2f} plain  "
+        f"x{_fmt(summary['ratio_vs_chain'])} chain  x{_fmt(summary['ratio_vs_compiled'])} compiled  "
+        f"tau {summary['tau']:.2f} (chain {_fmt(chain and chain['tau'])}, expected "
+        f"{summary['expected_tokens_per_step']:.2f})  nodes/step {summary['nodes_per_step']:.1f}  "
+        f"verify forward {_fmt(steps['decode_forward'])} ms (chain {_fmt(chain and chain['verify_forward_ms'])}, "
+        f"x{_fmt(summary['verify_forward_ratio_vs_chain'])})  decode step {_fmt(steps['decode_step'])} ms  "
+        f"identical rows {exact['rows'] - exact['divergent_rows']}/{exact['rows']}",
+        flush=True,
+    )
+
+
 def print_headlines(results: dict) -> None:
     """ours at alpha 0.8, k 4 against both plain arms, per shape that ran it."""
     for cell in results["cells"]:
@@ -917,6 +1231,17 @@ def print_headlines(results: dict) -> None:
             f"{_fmt(compiled and compiled['tokens_per_s'], '{:.1f}')} "
             f"(x{_fmt(cell['ratio_vs_compiled'])}); loop overhead {cell['per_step_ms']['loop_overhead']:.2f} ms/step; "
             f"speedup {_fmt(cell['measured_decode_speedup'])} measured vs {_fmt(cell['predicted_speedup'])} formula",
+            flush=True,
+        )
+    for cell in results["tree_cells"]:
+        chain = cell["chain"]
+        print(
+            f"HEADLINE tree b={cell['batch']} ctx={cell['context']} alpha={cell['alpha']} widths "
+            f"{','.join(map(str, cell['tree']['widths']))} ({cell['tree']['num_nodes']} nodes): "
+            f"{cell['tokens_per_s']:.1f} tok/s, x{cell['ratio_vs_plain']:.2f} plain, x{_fmt(cell['ratio_vs_chain'])} "
+            f"chain (k={cell['k']}: {_fmt(chain and chain['tokens_per_s'], '{:.1f}')} tok/s); tau "
+            f"{cell['tau']:.2f} vs {_fmt(chain and chain['tau'])}; verify forward "
+            f"{_fmt(cell['verify_forward_ms'])} ms vs {_fmt(chain and chain['verify_forward_ms'])} ms",
             flush=True,
         )
 
@@ -977,7 +1302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="headline",
         help="shapes that get the static cache + torch.compile arm (headline: batch 1 and 32 at 1k)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (12 in --cpu-smoke)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (32 in --cpu-smoke)")
     parser.add_argument(
         "--repeats",
         type=int,
@@ -997,6 +1322,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="sets HF_SPECDEC_ATTENTION_BACKEND for ours: auto (the kernel on CUDA), triton, torch "
         "(gather + SDPA)",
+    )
+    parser.add_argument(
+        "--tree-widths",
+        default=None,
+        help="the tree arm's oracle tree: children per node at each depth, e.g. 4,2,2,1 (the default; 2,1 in "
+        "--cpu-smoke): sum of the products w_1..w_d nodes per row and step, compared with the chain of k = its "
+        "depth; 'none': no tree arm",
+    )
+    parser.add_argument(
+        "--tree-cells",
+        choices=["headline", "all", "none"],
+        default=None,
+        help="where the tree arm runs: headline (the default: batch 1 and 32 at 1k, alpha 0.8), all (every "
+        "batch, context and alpha of the grid; the default in --cpu-smoke), none",
+    )
+    parser.add_argument(
+        "--tree-acceptance",
+        choices=["per-candidate", "per-depth"],
+        default="per-candidate",
+        help="what alpha means for the tree (see OracleProposer): per-candidate (each candidate is the reference "
+        "with chance alpha, given the ones ranked above are not; depth d accepts with 1 - (1 - alpha)^w_d) or "
+        "per-depth (the reference is among the children with chance alpha: the chain's acceptance, more nodes)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -1036,7 +1383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", help="JSON path (default benchmarks/bench_gpu_<gpu-name>.json)")
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
-    args.max_new_tokens = args.max_new_tokens or (12 if smoke else 128)
+    args.max_new_tokens = args.max_new_tokens or (32 if smoke else 128)
     args.repeats = args.repeats or (3 if smoke else 2)
     args.budget_s = args.budget_s if args.budget_s is not None else (50.0 if smoke else 255.0)
     args.init_std = args.init_std if args.init_std is not None else (0.1 if smoke else 0.005)
@@ -1050,6 +1397,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         (4, 2, 32) if smoke else (32, 8, 128)
     )  # Llama-3.1-8B: 32 heads, 8 KV heads, dim 128
     args.query_len, args.block_size = 5, 16
+    widths_text = args.tree_widths or (SMOKE_TREE_WIDTHS if smoke else TREE_WIDTHS)
+    args.tree_cells = args.tree_cells or ("all" if smoke else "headline")
+    if widths_text.strip().lower() == "none":
+        args.tree_widths, args.tree_cells = None, "none"
+    else:
+        try:
+            args.tree_widths = tuple(int(width) for width in widths_text.split(","))
+            if min(args.tree_widths) < 1:
+                raise ValueError("every width must be at least 1")
+            if max(args.tree_widths) > (SMOKE_SHAPE if smoke else LLAMA_8B_SHAPE)["vocab_size"] - 1:
+                raise ValueError("wider than the vocabulary's wrong tokens")
+            # the carrier config the tree arm passes generate(): the library's own checks (topk, nodes, depth)
+            SpeculativeConfig.from_any(carrier_config(len(args.tree_widths), args.tree_widths))
+        except ValueError as error:
+            parser.error(f"--tree-widths {widths_text!r}: {error}")
     if args.repeats < 1 or args.max_new_tokens < 2:
         parser.error("--repeats must be >= 1 and --max-new-tokens >= 2")
     return args
@@ -1083,7 +1445,7 @@ def main(argv: list[str] | None = None) -> int:
         "ours_attention_backend": ours_attention_backend(device, args.ours_attention),
         "formula": FORMULA,
         "notes": NOTES,
-        "plain": {}, "compiled": {}, "cells": [], "skipped": [], "errors": [], "attention": None,
+        "plain": {}, "compiled": {}, "cells": [], "tree_cells": [], "skipped": [], "errors": [], "attention": None,
     }  # fmt: skip
     if args.cpu_smoke:
         results["compile_arm"] = (
@@ -1102,7 +1464,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target built in {results['target']['build_s']:.1f} s ({results['target']['weight_bytes'] / 1e9:.2f} GB)",
               flush=True)  # fmt: skip
         if args.cpu_smoke:
-            cells = smoke_grid()
+            cells = with_tree_cells(smoke_grid(), len(args.tree_widths or ()), args.tree_cells)
         elif any(getattr(args, name) for name in ("batches", "ks", "alphas", "contexts")):
             cells = explicit_grid(
                 [int(b) for b in args.batches.split(",")] if args.batches else FULL_BATCHES,
@@ -1111,27 +1473,82 @@ def main(argv: list[str] | None = None) -> int:
                 parse_sizes(args.contexts) if args.contexts else FULL_CONTEXTS,
                 args.compile,
             )
+            cells = with_tree_cells(cells, len(args.tree_widths or ()), args.tree_cells)
         else:
             cells = with_compile_choice(default_grid(), args.compile)
+            cells = with_tree_cells(cells, len(args.tree_widths or ()), args.tree_cells)
         results["grid"] = [asdict(cell) for cell in cells]
         run_grid(model, cells, args, started, results)
     divergent = sum(cell["exactness_vs_plain"]["divergent_rows"] for cell in results["cells"])
+    tree_divergent = sum(cell["exactness_vs_plain"]["divergent_rows"] for cell in results["tree_cells"])
     results["exactness"] = {
         "ours_rows": sum(cell["exactness_vs_plain"]["rows"] for cell in results["cells"]),
         "ours_divergent_rows": divergent,
+        "tree_rows": sum(cell["exactness_vs_plain"]["rows"] for cell in results["tree_cells"]),
+        "tree_divergent_rows": tree_divergent,
         "must_match": dtype == torch.float32,
     }
+    if args.cpu_smoke:
+        results["smoke_checks"] = smoke_tree_checks(results, args)
     print_headlines(results)
     if device.type == "cuda":
         results["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     results["elapsed_s"] = time.perf_counter() - started
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=1, default=str))
-    print(f"ours vs plain: {results['exactness']['ours_rows'] - divergent}/{results['exactness']['ours_rows']} rows "
-          f"identical; {len(results['skipped'])} cells skipped, {len(results['errors'])} errors; "
-          f"{results['elapsed_s']:.1f} s; wrote {out_path}", flush=True)  # fmt: skip
-    failed = bool(results["errors"]) or (dtype == torch.float32 and divergent > 0)
+    exact = results["exactness"]
+    print(f"ours vs plain: {exact['ours_rows'] - divergent}/{exact['ours_rows']} rows identical (tree arm: "
+          f"{exact['tree_rows'] - tree_divergent}/{exact['tree_rows']}); {len(results['skipped'])} cells skipped, "
+          f"{len(results['errors'])} errors; {results['elapsed_s']:.1f} s; wrote {out_path}", flush=True)  # fmt: skip
+    for check in results.get("smoke_checks", []):
+        print(f"smoke check {'ok' if check['ok'] else 'FAILED'}: {check['check']}", flush=True)
+    failed = bool(results["errors"]) or (dtype == torch.float32 and divergent + tree_divergent > 0)
+    failed = failed or not all(check["ok"] for check in results.get("smoke_checks", []))
     return 1 if failed else 0
+
+
+def smoke_tree_checks(results: dict, args) -> list[dict]:
+    """--cpu-smoke's checks of the tree arm: it ran next to every chain cell and its output is
+    plain's; its tau against the chain's at the same alpha (the two read the same draws, see
+    OracleProposer): per-candidate with a width above 1 and alpha < 1: at least the chain's in every
+    cell (by construction) and above it pooled over the cells of an alpha (a single short cell ties
+    when no extra candidate happened to be needed); per-depth: equal in every cell."""
+    if args.tree_widths is None or args.tree_cells == "none":
+        return []
+    chain_keys = {(cell["batch"], cell["context"], cell["alpha"]) for cell in results["cells"]}
+    tree_keys = [(cell["batch"], cell["context"], cell["alpha"]) for cell in results["tree_cells"]]
+    checks = [{"check": f"the tree arm ran once per (batch, context, alpha) of the chain arm ({len(tree_keys)} "
+               f"cells)", "ok": sorted(tree_keys) == sorted(chain_keys)}]  # fmt: skip
+    wider = args.tree_acceptance == "per-candidate" and max(args.tree_widths) > 1
+    pooled: dict[
+        float, list[int]
+    ] = {}  # alpha: [tree accepted, tree drafting row-steps, chain ..., chain ...]
+    for cell in results["tree_cells"]:
+        where = f"b={cell['batch']} ctx={cell['context']} alpha={cell['alpha']}"
+        exact, chain = cell["exactness_vs_plain"], cell["chain"]
+        checks.append({"check": f"tree output identical to plain ({where}: {exact['rows'] - exact['divergent_rows']}"
+                       f"/{exact['rows']} rows)", "ok": exact["divergent_rows"] == 0})  # fmt: skip
+        if chain is None:
+            checks.append({"check": f"the chain arm ran next to the tree arm ({where})", "ok": False})
+            continue
+        if wider and cell["alpha"] < 1:
+            checks.append({"check": f"tree tau {cell['tau']:.3f} >= chain tau {chain['tau']:.3f} ({where})",
+                           "ok": cell["tau"] >= chain["tau"]})  # fmt: skip
+            sums = pooled.setdefault(cell["alpha"], [0, 0, 0, 0])
+            for i, value in enumerate((cell["num_accepted_tokens"], cell["num_drafts"],
+                                       chain["num_accepted_tokens"], chain["num_drafts"])):  # fmt: skip
+                sums[i] += value
+        elif args.tree_acceptance == "per-depth":
+            checks.append({"check": f"tree tau {cell['tau']:.3f} == chain tau {chain['tau']:.3f} (per-depth: the "
+                           f"chain's acceptance; {where})", "ok": cell["tau"] == chain["tau"]})  # fmt: skip
+    for alpha, (tree_accepted, tree_drafts, chain_accepted, chain_drafts) in pooled.items():
+        tree_tau, chain_tau = (
+            1 + tree_accepted / max(tree_drafts, 1),
+            1 + chain_accepted / max(chain_drafts, 1),
+        )
+        checks.append({"check": f"tree tau {tree_tau:.3f} > chain tau {chain_tau:.3f} at alpha {alpha}, pooled over "
+                       "its cells", "ok": tree_tau > chain_tau})  # fmt: skip
+    return checks
 
 
 if __name__ == "__main__":
