@@ -5,6 +5,10 @@
     python benchmarks/head_acceptance.py model_cards/SmolLM2-135M-Instruct-eagle3 --steps 6 --tree-widths 4,2,2,1,1,1 \
         --tree-nodes 16 --tree-nodes 64
     python benchmarks/head_acceptance.py model_cards/SmolLM2-135M-Instruct-eagle3 --by-target-confidence 0,0.5,0.9,1
+    python benchmarks/head_acceptance.py model_cards/SmolLM2-135M-Instruct-eagle3 --steps 6 \
+        --sets mt-bench:20:80,humaneval:20:164 --tree-nodes 16 --tree-nodes 64 --save-trees trees.json
+    python benchmarks/head_acceptance.py model_cards/SmolLM2-135M-Instruct-eagle3 --steps 6 \
+        --sets mt-bench:0:20,humaneval:0:20 --tree-nodes 16 --tree-nodes 64 --score-trees trees.json
 
 The target answers MT-bench and HumanEval first turns greedily (once; cached under `results/`),
 then each head is scored on those answers the way the trainer's held-out evaluation scores it
@@ -15,6 +19,12 @@ k = --steps chain) predicts the benchmark's tau without a timing run: a cheap wa
 checkpoints. Speed still comes from `hf-specdec bench`. `--tree-widths` / `--tree-nodes` also score
 draft trees (a ceiling for tree drafting, which generate() does not do: see `simulated_acceptance`);
 `--by-target-confidence` splits the first drafts' acceptance by how sure the target was there.
+
+`--sets name:start:end` takes questions start..end-1 (from the same cached answers as the first
+`end`), so a static tree can be fitted on some questions and scored on others: `--save-trees FILE`
+writes the best static tree of each `--tree-nodes N`, fitted on all the sets' answers together, as
+the rank paths `speculative_config["tree"]["static"]` takes ({"<N>": [[0], [1], [0, 0], ...]} plus a
+`fitted` header); `--score-trees FILE` scores the trees in such a file as they are (no refitting).
 
 A head is a folder the drafter loads, or a trainer checkpoint (`<output>/checkpoints/step_N`,
 whose weights are the training objective's) given with `--architecture <a head folder of the
@@ -35,6 +45,7 @@ from hf_specdec.trainers.regenerate import answer_batch
 from hf_specdec.trainers.target_states import run_target
 from safetensors.torch import load_file
 
+from hf_specdec.config import MAX_TREE_TOPK
 from hf_specdec.heads.eagle_heads import EagleHead, load_eagle_head
 from hf_specdec.models.real_models import humaneval_user_turns, load_smollm2, mtbench_user_turns
 
@@ -42,18 +53,61 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 USER_TURNS = {"mt-bench": mtbench_user_turns, "humaneval": humaneval_user_turns}
 
 
-def parse_sets(text: str) -> list[tuple[str, int]]:
-    """"mt-bench:40,humaneval:20" -> [("mt-bench", 40), ("humaneval", 20)]; ValueError naming --sets."""
+def parse_sets(text: str) -> list[tuple[str, int]] | list[tuple[str, int, int]]:
+    """"mt-bench:40,humaneval:20" -> [("mt-bench", 40), ("humaneval", 20)]: the first `count` of each
+    set. An entry may instead give a range, name:start:end (questions start..end-1, e.g.
+    "mt-bench:20:80"), which parses to (name, start, end), so that a tree can be fitted on questions
+    the evaluation never sees. ValueError naming --sets."""
     sets = []
     for spec in text.split(","):
-        name, _, count = spec.partition(":")
-        if name not in USER_TURNS or not count.isdigit() or int(count) < 1:
+        name, *bounds = spec.split(":")
+        valid = name in USER_TURNS and len(bounds) in (1, 2) and all(b.isdigit() for b in bounds)
+        if valid and len(bounds) == 1:
+            valid = int(bounds[0]) >= 1
+        elif valid:
+            valid = int(bounds[0]) < int(bounds[1])
+        if not valid:
             raise ValueError(
                 f"--sets entry {spec!r} is invalid; allowed: name:count with name in {sorted(USER_TURNS)} "
-                "and count an integer >= 1"
+                "and count an integer >= 1, or name:start:end (questions start..end-1, start < end)"
             )
-        sets.append((name, int(count)))
+        sets.append((name, *map(int, bounds)))
     return sets
+
+
+def set_label(entry: tuple) -> str:
+    return ":".join(map(str, entry))
+
+
+def cached_answers(model, tokenizer, entry: tuple, max_new_tokens: int) -> list[dict]:
+    """The target's answers for one `parse_sets` entry, generated once and cached under `results/`
+    (`head_acceptance_answers_<name>_<count>_<max_new_tokens>.jsonl`: the first `count` questions).
+    A range start:end reads the smallest cached file holding its questions (else it answers the
+    first `end` and caches them), so a range and its complement come from the same answers."""
+    name, *bounds = entry
+    start, end = (0, bounds[0]) if len(bounds) == 1 else bounds
+    cached = RESULTS / f"head_acceptance_answers_{name}_{end}_{max_new_tokens}.jsonl"
+    if len(bounds) == 2:
+        larger = []
+        for path in RESULTS.glob(f"head_acceptance_answers_{name}_*_{max_new_tokens}.jsonl"):
+            count = path.name.removeprefix(f"head_acceptance_answers_{name}_").removesuffix(f"_{max_new_tokens}.jsonl")
+            if count.isdigit() and int(count) >= end:
+                larger.append((int(count), path))
+        if larger:
+            cached = min(larger)[1]
+    if not cached.is_file():
+        turns = USER_TURNS[name](end)
+        if len(bounds) == 2 and len(turns) < end:  # name:count keeps the first count there are
+            raise ValueError(f"--sets entry {set_label(entry)!r}: {name} has only {len(turns)} questions")
+        records = target_answers(model, tokenizer, turns, max_new_tokens)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text("".join(json.dumps(r) + "\n" for r in records))
+    records = [json.loads(line) for line in cached.read_text().splitlines()]
+    if len(bounds) == 1:
+        return records
+    if len(records) < end:
+        raise ValueError(f"--sets entry {set_label(entry)!r}: {name} has only {len(records)} questions")
+    return records[start:end]
 
 
 def target_answers(model, tokenizer, turns: list[str], max_new_tokens: int, batch_size: int = 16) -> list[dict]:
@@ -98,6 +152,7 @@ def parse_tree_widths(text: str) -> tuple[int, ...]:
 def simulated_acceptance(
     head: EagleHead, target, data, steps: int, states: dict, tree_widths: list[tuple[int, ...]] = (),
     tree_nodes: list[int] = (), confidence_edges: Sequence[float] = (),
+    fixed_trees: dict[int, list[list[int]]] | None = None, ranks_out: list | None = None,
 ) -> dict:
     """`tau` of a k = `steps` chain; per tree in `tree_widths` (w_1, ..., w_D) the tau of a full
     draft tree whose every node at depth d has the head's w_d most likely tokens as children; per
@@ -106,6 +161,9 @@ def simulated_acceptance(
     probability of its greedy token there (`by_target_confidence`: per bucket its share of the
     positions, the head's acceptance and its share of the misses): do the misses sit where the
     target itself hesitates, or where it is sure and a better head would follow it?
+    `fixed_trees` ({name: rank paths}) adds `fixed_tree_tau`: each given static tree's tau
+    (`fixed_tree_tau`), with no refitting; `ranks_out` (a list) receives the `[chains, depth]` ranks,
+    e.g. to fit trees over several sets at once.
 
     The target's greedy path is in such a tree up to the first depth where its token is not among
     the tree's children there, given the path so far: those are exactly the draft steps of the
@@ -114,8 +172,12 @@ def simulated_acceptance(
     A ceiling for what tree drafting (EAGLE-2 style, which generate() does not do) could give this
     head, before the cost of verifying every node.
     """
-    depth = max([steps, *(len(widths) for widths in tree_widths)])
-    rank_within = max([1, *(max(widths) for widths in tree_widths), *tree_nodes])
+    fixed_trees = fixed_trees or {}
+    fixed_nodes = [node for paths in fixed_trees.values() for node in paths]
+    depth = max([steps, *(len(widths) for widths in tree_widths), *(len(node) for node in fixed_nodes)])
+    rank_within = max([
+        1, *(max(widths) for widths in tree_widths), *tree_nodes, *(max(node) + 1 for node in fixed_nodes)
+    ])
     objective = DraftTrainingObjective(head.eval(), num_steps=depth).eval()
     correct = counted = 0
     ranks, confidences = [], []
@@ -136,6 +198,8 @@ def simulated_acceptance(
             # pair i's first draft is labelled by the target's logits at position i + 1
             confidences.append(states[(begin, "top1")][:, 1:][out["draft_start"]])
     ranks = torch.cat(ranks)  # [chains, depth]: one chain per labelled position
+    if ranks_out is not None:
+        ranks_out.append(ranks)
 
     def tau(widths: tuple[int, ...]) -> float:
         within = ranks[:, : len(widths)] < torch.tensor(widths)
@@ -147,6 +211,7 @@ def simulated_acceptance(
         "acceptance_per_step": (correct / counted.clamp(min=1)).tolist(),
         "tree_tau": {",".join(map(str, widths)): tau(widths) for widths in tree_widths},
         "static_tree_tau": {nodes: best_static_tree_tau(ranks, nodes) for nodes in tree_nodes},
+        "fixed_tree_tau": {name: fixed_tree_tau(ranks, paths) for name, paths in fixed_trees.items()},
         "tree_depth": depth,
         "by_target_confidence": (
             by_confidence(torch.cat(confidences), ranks[:, 0] == 0, confidence_edges) if confidence_edges else []
@@ -200,14 +265,74 @@ def best_static_tree_tau(ranks: torch.Tensor, num_nodes: int) -> float:
     so the `num_nodes` largest counts form a tree (ties taken shallowest first) and no tree of that
     size does better. The tree is fitted on the answers it scores, so the figure is a ceiling.
     Nodes are restricted to ranks below `num_nodes` (a rarer draft than that rarely earns a place).
+    The tree itself: `fit_static_tree`.
     """
-    counts = []
+    return fit_static_tree(ranks, num_nodes)[1]
+
+
+def fit_static_tree(
+    ranks: torch.Tensor, num_nodes: int, max_rank: int | None = None
+) -> tuple[list[list[int]], float]:
+    """The nodes of `best_static_tree_tau`'s tree, as rank paths (parents before children, by depth
+    then rank), and its tau on `ranks`. Ties between counts go to the shallower node (a stable
+    sort of the counts listed depth by depth): a node's count never exceeds its parent's, so the
+    parent always comes first and the chosen set is prefix-closed. Ranks are below `num_nodes`, and
+    below `max_rank` if given (generate()'s static trees take child ranks below 16)."""
+    limit = num_nodes if max_rank is None else min(num_nodes, max_rank)
+    paths, counts = [], []
     for depth in range(1, ranks.shape[1] + 1):
         prefixes = ranks[:, :depth]
-        inside = (prefixes < num_nodes).all(dim=-1)
-        counts.append(torch.unique(prefixes[inside], dim=0, return_counts=True)[1])
-    best = torch.cat(counts).sort(descending=True).values[:num_nodes]
-    return 1 + best.sum().item() / len(ranks)
+        inside = (prefixes < limit).all(dim=-1)
+        unique, count = torch.unique(prefixes[inside], dim=0, return_counts=True)
+        paths.extend(unique.tolist())
+        counts.append(count)
+    order = torch.cat(counts).sort(descending=True, stable=True)
+    chosen = order.indices[:num_nodes].tolist()
+    tree = sorted((paths[i] for i in chosen), key=lambda path: (len(path), path))
+    return tree, 1 + order.values[:num_nodes].sum().item() / len(ranks)
+
+
+def fixed_tree_tau(ranks: torch.Tensor, paths: Sequence[Sequence[int]]) -> float:
+    """The tau of a FIXED static tree (rank paths, prefix-closed) on `ranks` ([chains, depth]):
+    per chain the accepted length is the number of leading depths d whose rank prefix
+    (r_1, ..., r_d) is a node of the tree. A tree deeper than `ranks` is cut at its depth."""
+    if not paths:
+        return 1.0
+    nodes = {tuple(path) for path in paths}
+    missing = sorted({node[:-1] for node in nodes if len(node) > 1} - nodes)
+    if missing:
+        raise ValueError(f"the tree's paths {[list(m) for m in missing]} are prefixes of other paths but not nodes")
+    base = max(int(ranks.max().item()) if ranks.numel() else 0, max(max(node) for node in nodes)) + 1
+    code = torch.zeros(len(ranks), dtype=torch.long)
+    inside = torch.ones(len(ranks), dtype=torch.bool)
+    accepted = torch.zeros(len(ranks), dtype=torch.long)
+    for depth in range(1, min(ranks.shape[1], max(map(len, nodes))) + 1):
+        code = code * base + ranks[:, depth - 1]
+        level = [node for node in nodes if len(node) == depth]
+        level_codes = torch.tensor([sum(r * base ** (depth - 1 - i) for i, r in enumerate(node)) for node in level])
+        inside &= torch.isin(code, level_codes)
+        accepted += inside.long()
+    return 1 + accepted.double().mean().item() if len(ranks) else 1.0
+
+
+def read_trees(path: str | Path) -> dict[int, list[list[int]]]:
+    """The static trees of a `--save-trees` file: {N: paths} from its keys that are integers
+    (others, such as the header, are skipped). ValueError naming the file when it holds none or a
+    path is not a list of ranks >= 0."""
+    data = json.loads(Path(path).read_text())
+    trees = {int(key): value for key, value in data.items() if key.isdigit()} if isinstance(data, dict) else {}
+    valid = trees and all(
+        isinstance(paths, list) and paths and all(
+            isinstance(node, list) and node and all(isinstance(r, int) and r >= 0 for r in node) for node in paths
+        )
+        for paths in trees.values()
+    )
+    if not valid:
+        raise ValueError(
+            f"--score-trees {str(path)!r} holds no valid trees; allowed: JSON {{\"<N>\": [[rank, ...], ...], ...}} "
+            "as --save-trees writes"
+        )
+    return trees
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -225,6 +350,15 @@ def main(argv: list[str] | None = None) -> dict:
         help="also score the best static draft tree of N nodes (repeatable)",
     )
     parser.add_argument(
+        "--save-trees", default=None, metavar="FILE",
+        help="write the best static tree of each --tree-nodes N, fitted on all --sets' answers together, as "
+        'JSON {"<N>": [[rank path], ...]} (the layout speculative_config["tree"]["static"] takes); one head',
+    )
+    parser.add_argument(
+        "--score-trees", default=None, metavar="FILE",
+        help="also score the static trees in FILE (as --save-trees writes) as they are, without refitting",
+    )
+    parser.add_argument(
         "--by-target-confidence", default=None, metavar="E0,E1,...",
         help="also split the first drafts' acceptance by the target's probability of its greedy token, "
         "at these bucket edges (increasing, from 0 to 1), e.g. 0,0.3,0.5,0.7,0.9,1",
@@ -237,29 +371,32 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; allowed: an integer >= 1")
     if any(nodes < 1 for nodes in args.tree_nodes):
         parser.error(f"--tree-nodes {args.tree_nodes} is invalid; allowed: integers >= 1")
+    if args.save_trees and (not args.tree_nodes or len(args.heads) != 1):
+        parser.error("--save-trees needs one head and at least one --tree-nodes N (the sizes of the trees to fit)")
     try:
         sets = parse_sets(args.sets)
         tree_widths = [parse_tree_widths(text) for text in args.tree_widths]
         confidence_edges = parse_confidence_edges(args.by_target_confidence) if args.by_target_confidence else ()
-    except ValueError as error:
+        fixed_trees = read_trees(args.score_trees) if args.score_trees else {}
+    except (ValueError, OSError) as error:
         parser.error(str(error))
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
     results: dict = {}
-    for name, count in sets:
-        spec = f"{name}:{count}"
-        cached = RESULTS / f"head_acceptance_answers_{name}_{count}_{args.max_new_tokens}.jsonl"
-        if not cached.is_file():
-            records = target_answers(model, tokenizer, USER_TURNS[name](count), args.max_new_tokens)
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            cached.write_text("".join(json.dumps(r) + "\n" for r in records))
-        records = [json.loads(line) for line in cached.read_text().splitlines()]
+    pooled_ranks: list = []  # --save-trees: every set's chains, the one head's
+    for entry in sets:
+        spec = set_label(entry)
+        try:
+            records = cached_answers(model, tokenizer, entry, args.max_new_tokens)
+        except ValueError as error:
+            parser.error(str(error))
         data = tokenize_records(records, tokenizer, max_length=2048, min_loss_tokens=1)
         states: dict = {}
         for source in args.heads:
             head = load_head(source, model, args.architecture)
             scored = simulated_acceptance(
-                head, model, data, args.steps, states, tree_widths, args.tree_nodes, confidence_edges
+                head, model, data, args.steps, states, tree_widths, args.tree_nodes, confidence_edges,
+                fixed_trees, pooled_ranks if args.save_trees else None,
             )
             results.setdefault(source, {})[spec] = scored
             per_step = " ".join(f"{a:.3f}" for a in scored["acceptance_per_step"])
@@ -268,13 +405,43 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{'':>14}  full tree {widths}: tau {value:.3f}", flush=True)
             for nodes, value in scored["static_tree_tau"].items():
                 print(f"{'':>14}  best static tree of {nodes} nodes (depth {scored['tree_depth']}): tau {value:.3f}", flush=True)
+            for nodes, value in scored["fixed_tree_tau"].items():
+                print(f"{'':>14}  static tree of {nodes} nodes from {args.score_trees}: tau {value:.3f}", flush=True)
             for bucket in scored["by_target_confidence"]:
                 print(
                     f"{'':>14}  target p(greedy token) in [{bucket['low']:g}, {bucket['high']:g}]: "
                     f"{bucket['share']:.3f} of positions, first draft accepted {bucket['acceptance']:.3f}, "
                     f"{bucket['share_of_misses']:.3f} of the misses", flush=True,
                 )
+    if args.save_trees:
+        results["saved_trees"] = save_trees(args, sets, torch.cat(pooled_ranks))
     return results
+
+
+def save_trees(args: argparse.Namespace, sets: list[tuple], ranks: torch.Tensor) -> dict:
+    """Fit the best static tree of each --tree-nodes N on `ranks` (all sets' chains together), write
+    them to --save-trees with a `fitted` header saying how, and return what was written."""
+    out: dict = {
+        "fitted": {
+            "head": args.heads[0], "sets": [set_label(entry) for entry in sets], "chains": len(ranks),
+            "depth": ranks.shape[1], "max_new_tokens": args.max_new_tokens,
+            "how": "benchmarks/head_acceptance.py --save-trees: per N the N rank paths with the most chains "
+            "starting with them, over all the sets' answers together (best_static_tree_tau's tree; child ranks "
+            f"below min(N, {MAX_TREE_TOPK})), ties shallowest first",
+            "fitted_tau": {},
+        }
+    }
+    for nodes in args.tree_nodes:
+        paths, value = fit_static_tree(ranks, nodes, max_rank=MAX_TREE_TOPK)
+        out["fitted"]["fitted_tau"][str(nodes)] = round(value, 4)
+        out[str(nodes)] = paths
+        print(f"{'fitted on all':>14}  static tree of {nodes} nodes (depth {max(map(len, paths))}): tau {value:.3f}")
+    Path(args.save_trees).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.save_trees).write_text(
+        "{\n" + ",\n".join(f"{json.dumps(key)}: {json.dumps(value)}" for key, value in out.items()) + "\n}\n"
+    )
+    print(f"wrote {args.save_trees}", flush=True)
+    return out
 
 
 if __name__ == "__main__":
