@@ -190,3 +190,38 @@ def test_trees_refused_where_they_cannot_be_exact():
     hybrid = families.build_tiny_model("jamba")
     with pytest.raises(ValueError, match="tree is not supported on models with recurrent layers"):
         speculate(hybrid, inputs, 4, tree={"num_nodes": 4})
+
+
+def test_eos_on_a_side_branch_does_not_stop_the_row(enabled_llama, monkeypatch):
+    """Every tree gets an extra last-ranked child of the root holding the EOS token: rows must stop
+    only where plain generate() emits EOS, never because a rejected branch held it."""
+    inputs = repeated_span_batch(3, seed=4)
+    plain_full = plain_generate(enabled_llama, **inputs, max_new_tokens=30, do_sample=False)
+    eos = int(plain_full[0, -5])  # row 0 emits it late; the side branches offer it at every step
+    plain = plain_generate(enabled_llama, **inputs, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    offered = []
+    build = decoding.build_proposer
+
+    class EosBranch:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def propose(self, request):
+            proposal = self.inner.propose(request)
+            for i, (tokens, parents) in enumerate(zip(proposal.draft_token_ids, proposal.draft_parents)):
+                if request.max_draft_tokens[i] > 0 and eos not in tokens[parents < 0]:
+                    proposal.draft_token_ids[i] = np.append(tokens, eos)
+                    proposal.draft_parents[i] = np.append(parents, -1)
+                    offered.append(i)
+            return proposal
+
+        def release(self, rows, token_ids=None):
+            self.inner.release(rows, token_ids)
+
+    monkeypatch.setattr(decoding, "build_proposer", lambda *a, **k: EosBranch(build(*a, **k)))
+    out = enabled_llama.generate(
+        **inputs, max_new_tokens=30, do_sample=False, eos_token_id=eos, return_dict_in_generate=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "tree": {"num_nodes": 6, "topk": 2}},
+    )
+    assert torch.equal(out.sequences, plain)
+    assert len(offered) > 10
