@@ -163,3 +163,32 @@ def test_kernel_backend_with_draft_trees(enabled_llama, kernel_calls):
     spans = {call["tree_mask"].shape[2] for call in kernel_calls if call["tree_mask"] is not None}
     queries = {call["tree_mask"].shape[1] for call in kernel_calls if call["tree_mask"] is not None}
     assert spans and max(spans) > min(queries), "the head's tree forwards (T > new tokens) never ran on the kernel"
+
+
+def test_auto_backend_falls_back_once_when_the_kernel_fails(monkeypatch, enabled_llama):
+    """"auto" picked the kernel (as on CUDA) but it fails to build on this device: one warning, the
+    reference path from then on, the same tokens. Forced with HF_SPECDEC_ATTENTION_BACKEND=triton,
+    the error surfaces instead."""
+    monkeypatch.delenv(paged_attention.BACKEND_ENV_VAR, raising=False)
+    monkeypatch.setattr(paged_attention, "attention_backend", lambda device: "triton")
+    monkeypatch.setattr(paged_attention, "_KERNEL_FAILED", [])
+    monkeypatch.setattr(paged_attention, "_KERNEL_WORKED", False)
+    monkeypatch.setattr(paged_attention, "_WARNED", set())
+    attempts = []
+
+    def broken(*args, **kwargs):
+        attempts.append(1)
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(kernel_module, "paged_attention", broken)
+    inputs = left_padded_batch(repeated_span_prompts(2, seed=1))
+    plain = plain_generate(enabled_llama, **inputs, max_new_tokens=8, do_sample=False)
+    with pytest.warns(UserWarning, match="kernel failed on this device"):
+        out = speculate(enabled_llama, inputs, 8)
+    assert torch.equal(out.sequences, plain)
+    assert len(attempts) == 1
+
+    monkeypatch.setenv(paged_attention.BACKEND_ENV_VAR, "triton")
+    monkeypatch.setattr(paged_attention, "_KERNEL_FAILED", [])
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        speculate(enabled_llama, inputs, 8)

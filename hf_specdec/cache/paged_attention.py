@@ -139,11 +139,21 @@ def paged_attention_forward(
         )
     if "attention_backend" not in meta.scratch:
         meta.scratch["attention_backend"] = attention_backend(query.device)
-    if meta.scratch["attention_backend"] == "triton":
+    if meta.scratch["attention_backend"] == "triton" and not _KERNEL_FAILED:
         refused = _kernel_refuses(query, key, meta)
         if refused is None:
-            return _kernel_attention(query, key, value, meta, mask_function, scaling, softcap, sink_logits), None
-        _warn_once(f"hf_specdec: the paged attention kernel cannot take {refused}; using the gather + SDPA path")
+            try:
+                return _kernel_attention(query, key, value, meta, mask_function, scaling, softcap, sink_logits), None
+            except Exception as error:  # noqa: BLE001 - any failure to build or launch it on this GPU
+                if _kernel_forced() or _KERNEL_WORKED:
+                    raise
+                # chosen by "auto" and never run here (a Triton / driver this kernel was not tested with):
+                # the reference path gives the same result, so use it for the rest of the process
+                _KERNEL_FAILED.append(repr(error))
+                _warn_once(f"hf_specdec: the paged attention kernel failed on this device ({error!r}); "
+                           f"using the gather + SDPA path (set {BACKEND_ENV_VAR}=triton to see the error)")
+        else:
+            _warn_once(f"hf_specdec: the paged attention kernel cannot take {refused}; using the gather + SDPA path")
 
     num_rows, max_query_len = meta.query_valid.shape
     if meta.kv_gathered:
@@ -171,6 +181,12 @@ def paged_attention_forward(
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KERNEL_FAILED: list[str] = []  # the error that made "auto" give up on the kernel in this process
+_KERNEL_WORKED = False
+
+
+def _kernel_forced() -> bool:
+    return os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() == "triton"
 _WARNED: set[str] = set()
 
 
@@ -241,6 +257,7 @@ def _kernel_attention(
 
     causal, window = structured_mask(mask_function)
     dense = None if causal else meta.attention_mask(mask_function)[:, 0]  # the tree mask is inside it
+    global _KERNEL_WORKED
     out = paged_attention(
         query[0].transpose(0, 1),
         key_pool,
@@ -257,6 +274,7 @@ def _kernel_attention(
         softcap=softcap,
         sinks=sink_logits,
     )
+    _KERNEL_WORKED = True
     return out.unsqueeze(0)
 
 
