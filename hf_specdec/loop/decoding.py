@@ -310,15 +310,22 @@ def speculative_step(
     )
     metrics.num_emitted_tokens += int(num_kept.sum())
 
-    first_logit = np.cumsum(num_draft + 1) - (num_draft + 1)  # each row's first kept logit
+    # the logits of each emitted token: at the row's root, then at each accepted draft (consecutive
+    # for a chain), gathered for every row at once
+    first_logit = np.cumsum(num_draft + 1) - (num_draft + 1)
+    emitted_logits = np.concatenate(
+        [first + np.concatenate([[0], path + 1])[:kept] for first, path, kept in zip(first_logit, paths, num_kept)]
+    )
+    (emitted_index,) = to_device([emitted_logits], logits.device)
+    raw_kept, processed_kept = logits[emitted_index], processed[emitted_index]
+    emitted_start = np.cumsum(num_kept) - num_kept
     emitted, moves = [], []
     for i, row in enumerate(rows):
         start, kept = int(seq_lens[i]), int(num_kept[i])
         state.token_buffer[row, start + kept : start + num_draft[i] + 1] = state.pad_token_id
         state.seq_lens[row] = start + kept
-        # the logits at the root, then at each accepted draft (consecutive for a chain)
-        window = torch.from_numpy(first_logit[i] + np.concatenate([[0], paths[i] + 1])[:kept]).to(logits.device)
-        emitted.append((int(row), output_tokens[i, :kept], logits[window], processed[window]))
+        window = slice(int(emitted_start[i]), int(emitted_start[i]) + kept)
+        emitted.append((int(row), output_tokens[i, :kept], raw_kept[window], processed_kept[window]))
         accept_emitted(logits_processor, int(row), output_tokens[i, :kept])
         if stopped[i]:
             state.finished[row] = True

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..transfer import to_device
+
 
 def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
     """The decoder layers of a causal LM and its decoder (base model), whatever its architecture calls
@@ -200,10 +202,8 @@ class TargetFeatureCapture:
     def keep_at(self, row: int, positions: np.ndarray) -> None:
         """Row `row`'s tokens at these packed positions of the captured verify became context, in
         this order (a draft tree's pending tokens and accepted path)."""
-        index = torch.from_numpy(np.asarray(positions, dtype=np.int64))
-        self.pending.add(
-            row, torch.cat([self._hidden(i)[0, index.to(self._hidden(i).device)] for i in self.layers], dim=-1)
-        )
+        (index,) = to_device([np.asarray(positions, dtype=np.int64)], self._hidden(self.layers[0]).device)
+        self.pending.add(row, torch.cat([self._hidden(i)[0, index] for i in self.layers], dim=-1))
 
     def drop(self, row: int) -> None:
         self.pending.drop(row)
