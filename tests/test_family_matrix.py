@@ -4,7 +4,8 @@ The rows come from transformers itself (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, via
 a new release adds rows. Each family's tiny random model (batch 3, left-padded prompts longer than
 any sliding window, greedy) must give plain `generate()`'s tokens with two drafters: the n-gram
 drafter (k=4: most drafts rejected) and a draft model that is the target with slightly perturbed
-weights (k=3: most drafts accepted), so acceptance and rollback both run on every family. Or it
+weights (k=3: most drafts accepted), so acceptance and rollback both run on every family, and n-gram
+draft trees (identical, or refused for sliding windows / recurrent state). Or it
 must be refused before any work with a ValueError naming its model type and the reason listed in
 `EXPECTED_REFUSALS`; the refused families are printed at the end of the run (`conftest.py`).
 """
@@ -131,3 +132,11 @@ def test_family_is_exact_or_refused(model_type):
         accepted += out.spec_metrics["num_accepted_tokens"]
         rejected += out.spec_metrics["num_draft_tokens"] - out.spec_metrics["num_accepted_tokens"]
     assert accepted > 0 and rejected > 0, f"accepted {accepted}, rejected {rejected}: the test proves little"
+    # draft trees: exact too, or refused up front with the reason (sliding windows, recurrent state)
+    tree = {"method": "ngram", "num_speculative_tokens": 4, "tree": {"num_nodes": 8, "topk": 2}}
+    try:
+        out = speculate(model, inputs, MAX_NEW_TOKENS, **tree)
+    except ValueError as error:
+        assert "speculative_config.tree is not supported on models with" in str(error), error
+    else:
+        assert torch.equal(out.sequences, plain), "ngram trees differ from plain generate()"

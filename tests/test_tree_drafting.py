@@ -19,6 +19,7 @@ from conftest import (
     left_padded_batch,
     plain_generate,
     repeated_span_batch,
+    repeated_span_prompts,
 )
 from test_eagle import TRAINED_TARGET_INIT, _random_prompts, random_head, train_head
 from test_sampling_distribution import SETTINGS, chi_square_pvalue, exact_distribution, speculative_samples
@@ -225,3 +226,12 @@ def test_eos_on_a_side_branch_does_not_stop_the_row(enabled_llama, monkeypatch):
     )
     assert torch.equal(out.sequences, plain)
     assert len(offered) > 10
+
+
+def test_trees_refused_with_structured_output():
+    from test_grammar import generate as constrained_generate
+
+    inputs = left_padded_batch(repeated_span_prompts(1))
+    config = {"method": "ngram", "num_speculative_tokens": 4, "tree": {"num_nodes": 6}}
+    with pytest.raises(ValueError, match="tree cannot be combined with structured output"):
+        constrained_generate(build_tiny_llama(), inputs, config, max_new_tokens=8, do_sample=False)
