@@ -113,6 +113,18 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time plain generate() with the fast CPU linears ours uses (speculation's own share)",
     )
+    bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="break ours' decode steps down by part (drafter forwards and bookkeeping, verify, logits "
+        "processing, sampling, emit, glue) next to the closed form's prediction from the measured "
+        "acceptance and draft cost, and measured / predicted",
+    )
+    bench.add_argument(
+        "--temperature",
+        type=float,
+        help="sample every arm at this temperature (default: greedy); rows are then not compared with plain",
+    )
     bench.add_argument("--out", help="write the results as JSON here")
     bench.add_argument("--png", help="write speedup vs k (measured and predicted) here")
     bench.add_argument("--dtype", choices=DTYPES, default="auto")
@@ -293,10 +305,14 @@ def _bench(args: argparse.Namespace) -> int:
         compare_methods=args.compare_methods or (),
         trees=_tree_settings(args),
         verify_repeats=args.verify_repeats,
+        profile=args.profile,
+        temperature=args.temperature,
     )
     _check_configs(settings, args)  # a bad setting fails now, not after loading the model
     if args.batch_size < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         raise ValueError("--batch-size and --num-prompts: allowed: integers >= 1")
+    if args.temperature is not None and not args.temperature > 0:
+        raise ValueError(f"--temperature={args.temperature}: allowed: a number > 0 (leave it out for greedy)")
     if args.verify_repeats < 0:
         raise ValueError(f"--verify-repeats={args.verify_repeats}: allowed: an integer >= 0")
     model, tokenizer = load_target(args.model, DTYPES[args.dtype], args.device)

@@ -55,6 +55,11 @@ class BenchSettings:
             a static tree's deepest path), else `k`.
         verify_repeats: timed repeats of each arm's verify forward against a 1-token forward
             (`verify_cost.py`; 0: not timed).
+        profile: break ours' decode steps down by part (`profiling.py`), next to the closed form's
+            prediction from the measured acceptance and draft cost (`profile_summary`).
+        temperature: None for greedy (every arm checked token for token against plain); a float
+            samples every arm at that temperature (seeded per batch; outputs then differ from plain's
+            draw for draw, their distribution does not, so rows are not compared).
     """
 
     method: str = "ngram"
@@ -70,6 +75,8 @@ class BenchSettings:
     compare_methods: tuple[str, ...] = ()
     trees: tuple[dict, ...] = ()
     verify_repeats: int = 5
+    profile: bool = False
+    temperature: float | None = None
 
     def speculative_config(
         self, k: int | str, cpu_linear_backend: str | None = None, method: str | None = None, tree: dict | None = None

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..loop.auto_k import predicted_speedup
+from .profile_report import format_profile
 
 COLUMNS = (
     # (header, key, format)
@@ -46,7 +47,8 @@ def format_table(results: dict) -> str:
     settings = results["settings"]
     title = (
         f"{settings['method']}, batch size {settings['batch_size']}, {results['num_prompts']} prompts, "
-        f"max_new_tokens {settings['max_new_tokens']}, greedy"
+        f"max_new_tokens {settings['max_new_tokens']}, "
+        + ("greedy" if settings.get("temperature") is None else f"sampled at temperature {settings['temperature']}")
     )
     text.insert(0, title)
     costs = [arm["verify_cost"] for arm in results["arms"].values() if arm.get("verify_cost")]
@@ -55,6 +57,7 @@ def format_table(results: dict) -> str:
             f"nodes: draft tokens (tree nodes) per drafted row-step; verify x: a target forward over verify N + 1 "
             f"tokens per row / a 1-token forward, batch {costs[0]['batch_size']} (median of {costs[0]['repeats']})"
         )
+    text.extend(format_profile(results))
     if "cpu_linear_plan" in results:
         text.append(f"fp32 CPU linears (auto): {results['cpu_linear_plan']['text']}")
     for name, arm in results["arms"].items():

@@ -3,10 +3,10 @@
 After one untimed warm-up call per arm, for every batch of prompts the arms run back to back,
 in an order reversed from one batch to the next, so machine noise hits them alike. Each arm
 runs twice per batch: with max_new_tokens=1 (its time to first token, TTFT: the prompt
-forward) and in full. Greedy
-throughout, so every speculative arm must reproduce plain `generate()`; a row that does not is
-reported with the target's top-2 logit gap at its first differing token (only a near-tie may
-differ, see the README's exactness section).
+forward) and in full. Greedy by default, so every speculative arm must reproduce plain
+`generate()`; a row that does not is reported with the target's top-2 logit gap at its first
+differing token (only a near-tie may differ, see the README's exactness section). With
+`temperature` every arm samples, from the same seed per batch, and rows are not compared.
 
 Per arm: median TTFT, median TPOT ((total - TTFT) / (new tokens of the longest row - 1)),
 median tokens/s (every row's new tokens up to EOS), the median over batches of the tokens/s
@@ -43,7 +43,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..loop.auto_k import predicted_speedup
 from ..loop.metrics import SpecDecodeMetrics
 from ..models.cpu_linear import fast_cpu_linears, linear_plan, resolve_backend
+from ..profiling import StepProfile, profile_steps
 from .arms import Arm, BenchSettings, build_arms, sweep_arm_names
+from .profile_report import profile_summary
 from .verify_cost import measure_verify_costs
 
 
@@ -58,6 +60,7 @@ class ArmRuns:
     longest_row: list[int] = field(default_factory=list)  # new tokens of the longest row
     forwards: list[int] = field(default_factory=list)  # target forwards of the full call
     metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)  # ours: merged spec_metrics
+    profile: StepProfile = field(default_factory=StepProfile)  # ours with --profile: decode steps by part
     rows: int = 0
     identical: int = 0
     divergences: list[dict] = field(default_factory=list)
@@ -86,7 +89,7 @@ def run_benchmark(
     # draft model's loading, allocator warm-up) must not land in the first batch's timings
     warmup = tokenizer(batches[0], return_tensors="pt", padding=True).to(model.device)
     for arm in arms:
-        _generate(model, arm, {**warmup, **_generate_kwargs(arm, tokenizer)}, max_new_tokens=2)
+        _generate(model, arm, {**warmup, **_generate_kwargs(arm, tokenizer, settings)}, max_new_tokens=2)
     verify_costs = (
         measure_verify_costs(model, warmup, arms, repeats=settings.verify_repeats) if settings.verify_repeats else {}
     )
@@ -97,7 +100,8 @@ def run_benchmark(
         inputs = tokenizer(batch, return_tensors="pt", padding=True).to(model.device)
         generated = {}  # arm -> each row's new tokens
         for arm in arms if index % 2 == 0 else arms[::-1]:
-            sequences = _run_arm(model, inputs, arm, settings.max_new_tokens, tokenizer, runs[arm.name])
+            torch.manual_seed(index)  # sampled runs: every arm of a batch starts from the same seed
+            sequences = _run_arm(model, inputs, arm, settings, tokenizer, runs[arm.name])
             generated[arm.name] = [
                 _row_tokens(row, eos_ids, tokenizer.pad_token_id)
                 for row in sequences[:, inputs["input_ids"].shape[1] :].tolist()
@@ -105,7 +109,7 @@ def run_benchmark(
             runs[arm.name].new_tokens.append(sum(len(row) for row in generated[arm.name]))
             runs[arm.name].longest_row.append(max(len(row) for row in generated[arm.name]))
         first_prompt = index * settings.batch_size
-        for arm in arms[1:]:
+        for arm in arms[1:] if settings.temperature is None else ():  # sampled rows differ draw for draw
             _compare_with_plain(
                 model, inputs, generated["plain"], generated[arm.name], runs[arm.name], first_prompt
             )
@@ -126,15 +130,20 @@ def run_benchmark(
     return results
 
 
-def _run_arm(model, inputs, arm: Arm, max_new_tokens: int, tokenizer, runs: ArmRuns) -> torch.Tensor:
-    """The TTFT call then the full call; records their times; returns the full call's sequences."""
-    common = {**inputs, **_generate_kwargs(arm, tokenizer)}
+def _run_arm(model, inputs, arm: Arm, settings: BenchSettings, tokenizer, runs: ArmRuns) -> torch.Tensor:
+    """The TTFT call then the full call; records their times (and ours' step profile with
+    `settings.profile`); returns the full call's sequences."""
+    common = {**inputs, **_generate_kwargs(arm, tokenizer, settings)}
     start = _now(model)
     _generate(model, arm, common, max_new_tokens=1)
     runs.ttft_s.append(_now(model) - start)
-    start = _now(model)
-    out = _generate(model, arm, common, max_new_tokens=max_new_tokens)
-    runs.seconds.append(_now(model) - start)
+    profiled = settings.profile and arm.k is not None
+    with profile_steps() if profiled else contextlib.nullcontext() as profile:
+        start = _now(model)
+        out = _generate(model, arm, common, max_new_tokens=settings.max_new_tokens)
+        runs.seconds.append(_now(model) - start)
+    if profile is not None:
+        runs.profile.merge(profile)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     spec_metrics = getattr(out, "spec_metrics", None)
     if spec_metrics is not None:
@@ -151,8 +160,9 @@ def _generate(model, arm: Arm, kwargs: dict, max_new_tokens: int):
         return model.generate(**kwargs, max_new_tokens=max_new_tokens)
 
 
-def _generate_kwargs(arm: Arm, tokenizer) -> dict:
-    return {"do_sample": False, "pad_token_id": tokenizer.pad_token_id, **arm.generate_kwargs}
+def _generate_kwargs(arm: Arm, tokenizer, settings: BenchSettings) -> dict:
+    sampling = {"do_sample": False} if settings.temperature is None else {"do_sample": True, "temperature": settings.temperature}
+    return {**sampling, "pad_token_id": tokenizer.pad_token_id, **arm.generate_kwargs}
 
 
 def _now(model) -> float:
@@ -254,6 +264,12 @@ def summarize(
         if arm_runs.arm.k is not None:
             summary.update(_speculation_summary(arm_runs, plain_step))
             summary["verify_cost"] = (verify_costs or {}).get(name)
+        if settings.profile:
+            summary["profile"] = (
+                profile_summary(arm_runs, plain_step, summary.get("ratio_vs_plain_fast_linears", summary["ratio_vs_plain"]))
+                if arm_runs.arm.k is not None
+                else "not our loop: no breakdown (only ours' arms are profiled)"
+            )
         arms[name] = summary
     results = {
         "settings": settings.to_dict(),

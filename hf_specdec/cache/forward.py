@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from ..profiling import timed_forward
 from ..transfer import to_device
 from .paged_cache import PagedKVCache
 
@@ -57,12 +58,14 @@ def forward_tokens(
     new tokens of each row (`input_ids` / `position_ids`: `[sum(counts)]`, on the model's device)."""
 
     def forward(tokens: slice, kept: np.ndarray) -> torch.Tensor:
-        return model(
-            input_ids=input_ids[None, tokens],
-            position_ids=position_ids[None, tokens],
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=to_device([kept], input_ids.device)[0],
-        ).logits[0]
+        logits_to_keep = to_device([kept], input_ids.device)[0]
+        with timed_forward(input_ids.device):
+            return model(
+                input_ids=input_ids[None, tokens],
+                position_ids=position_ids[None, tokens],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            ).logits[0]
 
     return run_rows(cache, rows, counts, keep, forward, tree_mask=tree_mask)

@@ -33,6 +33,7 @@ from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig, TreeSpec
 from ..heads.eagle_heads import EagleHead, load_eagle_head
 from ..models.feature_capture import decoder_parts
+from ..profiling import timed_forward
 from ..transfer import to_device
 from .base import DraftProposal, ProposeRequest
 from .drafting import drafter_pool_blocks, rows_to_feed
@@ -197,7 +198,7 @@ class EagleProposer:
         """One packed head forward over `counts[i]` new pairs of each row; returns `[tokens, H]`."""
         self._grow_if_needed(rows, counts)
         metadata = self.cache.prepare_forward(rows, list(counts), tree_mask=tree_mask)
-        with use_paged_attention(self.head):
+        with use_paged_attention(self.head), timed_forward(input_ids.device):
             hidden = self.head(
                 input_ids[None],
                 features[None],
@@ -225,7 +226,9 @@ class EagleProposer:
 
         def expand(parents: list[tuple[int, int]], hidden: torch.Tensor) -> None:
             """The children of each (row, candidate or -1), from the head's output `hidden` for it."""
-            tokens, scores = ranked_children(self.head.compute_logits(hidden), self.tree.topk, self.head.draft_to_target)
+            with timed_forward(device):
+                logits = self.head.compute_logits(hidden)
+            tokens, scores = ranked_children(logits, self.tree.topk, self.head.draft_to_target)
             growth.expand(parents, tokens, scores)
 
         drafting = growth.drafting
@@ -252,7 +255,8 @@ class EagleProposer:
         return growth.trees()
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.head.compute_logits(hidden)
+        with timed_forward(hidden.device):
+            logits = self.head.compute_logits(hidden)
         return self.head.draft_to_target(logits.argmax(dim=-1))
 
     def _rollback(self, row: int, num_tokens: int) -> None:

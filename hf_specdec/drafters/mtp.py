@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
+from ..profiling import timed_forward
 from ..transfer import to_device
 from .base import DraftProposal, ProposeRequest
 from .drafting import (
@@ -166,14 +167,15 @@ class MtpProposer:
             tokens, position_ids = to_device([tokens, positions], self.device)
         else:
             (position_ids,) = to_device([positions], self.device)
-        return self.mtp.forward_layer(
-            len(self.mtp.layers) - 1,
-            hidden[None],
-            position_ids[None],
-            self.cache,
-            input_ids=tokens[None],
-            paged_metadata=metadata,
-        )[0]
+        with timed_forward(self.device):
+            return self.mtp.forward_layer(
+                len(self.mtp.layers) - 1,
+                hidden[None],
+                position_ids[None],
+                self.cache,
+                input_ids=tokens[None],
+                paged_metadata=metadata,
+            )[0]
 
     def propose(self, request: ProposeRequest) -> DraftProposal:
         if request.target_features is None:
@@ -240,7 +242,8 @@ class MtpProposer:
             # and come back in one transfer at the end, not one sync per draft step
             steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
             while active:
-                logits = self.mtp._project_to_logits(previous)
+                with timed_forward(self.device):
+                    logits = self.mtp._project_to_logits(previous)
                 picked, q = self.picker.pick(logits, [rows[i] for i in active])
                 steps.append((active, picked, q))
                 keep = [j for j, i in enumerate(active) if len(steps) < max_draft[i]]

@@ -33,6 +33,7 @@ from ..config import SpeculativeConfig
 from ..drafters import Proposer, ProposeRequest, build_proposer
 from ..models.cpu_linear import fast_cpu_linears, resolve_backend
 from ..models.feature_capture import TargetFeatureCapture, capture_for_proposer
+from ..profiling import StepTimer
 from ..sampling.grammar import SpeculativeGrammar, cut_forbidden_drafts, with_speculative_grammars
 from ..sampling.logits_processing import (
     StopChecker,
@@ -221,7 +222,7 @@ def speculative_step(
     seq_lens = state.seq_lens[rows]
 
     # 1. draft: k drafts, never more than the row may still emit, minus the token the target adds
-    started = clock = time.perf_counter()
+    timer = StepTimer(model.device)  # the parts' seconds for the metrics, and for a profile when one is active
     k = config.max_draft_tokens if k_controller is None else k_controller.next_k(len(rows))
     if config.disable_by_batch_size is not None and len(rows) >= config.disable_by_batch_size:
         k = 0
@@ -241,11 +242,10 @@ def speculative_step(
     trees = proposal.draft_parents  # None: every row's drafts are a chain
     spec = SpecDecodeMetadata.from_drafts(proposal.draft_token_ids, device=model.device)
     num_draft = np.array(spec.num_draft_tokens, dtype=np.int64)
-    metrics.draft_seconds += time.perf_counter() - clock
+    metrics.draft_seconds += timer.lap("draft")
 
     # 2. verify: pending tokens + drafts of every row, packed into one forward (one per row for hybrids);
     # a tree's nodes sit at their depth's position and see only their ancestors (`tree_layout`)
-    clock = time.perf_counter()
     pending = [state.pending_tokens(r) for r in rows]
     num_pending = np.array([len(p) for p in pending], dtype=np.int64)
     segments = [np.concatenate([p.numpy(), d]) for p, d in zip(pending, proposal.draft_token_ids)]
@@ -265,10 +265,9 @@ def speculative_step(
         model, cache, rows.tolist(), segment_lens.tolist(), input_ids, position_ids, keep, tree_mask=tree_mask
     ).float()
     metrics.record_kv_usage(cache.num_blocks_used, cache.blocks_needed(state.num_cached[rows] + num_pending))
-    metrics.verify_seconds += time.perf_counter() - clock
+    metrics.verify_seconds += timer.lap("verify")
 
     # 3. sample: processors see, at each position, the prefix plain generate would have had
-    clock = time.perf_counter()
     if not logits_processor:
         processed = logits
     elif trees is None:
@@ -279,6 +278,7 @@ def speculative_step(
         processed = process_logits(logits_processor, logits, state.token_buffer, logits_rows, prefix_lens)
     else:
         processed = process_logits(logits_processor, logits, *tree_prefixes(state, rows, proposal.draft_token_ids, trees))
+    metrics.sampler_seconds += timer.lap("logits_processing")
     generators = [sampling.generators[r] for r in rows]
     draws = None if all(g is None for g in generators) else draw_random(generators, spec, logits.shape[-1], logits.device)
     is_greedy = sampling.is_greedy[to_device([rows], model.device)[0]]
@@ -289,7 +289,7 @@ def speculative_step(
         accepted_nodes = None
     else:
         output_tokens, num_accepted, accepted_nodes = accept_tree(spec, trees, processed, is_greedy, draws=draws)
-    metrics.sampler_seconds += time.perf_counter() - clock
+    metrics.sampler_seconds += timer.lap("sampling")
 
     # 4. emit, stop, roll back; the step's one device-to-host transfer (a sync on GPUs)
     results = [num_accepted[:, None].to(output_tokens.dtype), output_tokens]
@@ -350,10 +350,12 @@ def speculative_step(
     if stopped.any():
         finished = rows[stopped].tolist()
         proposer.release(finished, [state.tokens(r) for r in finished])
+    timer.lap("emit")
+    timer.finish(fed_prompt=bool(num_pending.max() > 1))
     if tree_controller is not None and num_draft.any() and num_pending.max() == 1:  # a drafted step, no prefill
-        tree_controller.record_step(len(rows), tree_size, time.perf_counter() - started, int(num_kept.sum()))
+        tree_controller.record_step(len(rows), tree_size, timer.elapsed(), int(num_kept.sum()))
     if k_controller is not None:
-        k_controller.record_step(time.perf_counter() - started, k, spec.num_draft_tokens, num_accepted.tolist())
+        k_controller.record_step(timer.elapsed(), k, spec.num_draft_tokens, num_accepted.tolist())
     return emitted
 
 

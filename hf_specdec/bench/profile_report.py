@@ -1,0 +1,90 @@
+"""`hf-specdec bench --profile`: ours' decode step by part, next to what the seed's formula predicts.
+
+The formula (seed §12.5) prices a step: speedup = (1 - a^(k+1)) / ((1 - a)(1 + c k)), a the
+acceptance rate, c the cost of one draft step relative to a target step. Its numerator is the tokens
+a step yields; its denominator assumes verifying k + 1 tokens costs one plain step and that nothing
+but the drafter's forwards is added. So, from the run itself:
+
+- draft cost c k = the drafter's forward time per decode step / plain's time per decode step (on
+  the same CPU linears where that arm ran): the method's own price; the drafter's bookkeeping is
+  ours, not the method's, and is left out;
+- tokens per row-step = 1 + accepted drafts per (row, step), drafted or not (with every step
+  drafting k, exactly the formula's numerator at the a that gives the measured tau);
+- predicted = tokens per row-step / (1 + c k); measured = ours' tokens/s over plain's;
+  measured / predicted below 1 is what our loop adds: a verify forward dearer than a plain step,
+  bookkeeping, sampling, emit, glue (the per-part columns say which).
+"""
+
+from __future__ import annotations
+
+from ..profiling import SECTIONS
+
+
+def profile_summary(runs, plain_step_s: float | None, measured_ratio: float) -> dict:
+    """The profile entry of an arm of ours (`runs`: its `ArmRuns`); `plain_step_s`: plain's seconds per
+    decode step (plain_fast_linears' where it ran); `measured_ratio`: ours' tokens/s over that arm's."""
+    metrics, per_step = runs.metrics, runs.profile.per_step_ms()
+    out = {"num_steps": runs.profile.num_steps, "per_step_ms": per_step}
+    if not per_step or not plain_step_s or not metrics.num_row_steps:
+        return {**out, "predicted_speedup": None, "measured_over_predicted": None}
+    plain_ms = 1000 * plain_step_s
+    draft_cost = per_step["draft_forward"] / plain_ms  # c k
+    drafts_per_drafted_row_step = metrics.num_draft_tokens / metrics.num_drafts if metrics.num_drafts else 0.0
+    tokens_per_row_step = 1 + metrics.num_accepted_tokens / metrics.num_row_steps
+    predicted = tokens_per_row_step / (1 + draft_cost)
+    return {
+        **out,
+        "plain_step_ms": plain_ms,
+        "per_step_plain_steps": {part: value / plain_ms for part, value in per_step.items()},
+        "c": draft_cost / drafts_per_drafted_row_step if drafts_per_drafted_row_step else None,
+        "alpha_fit": fitted_alpha(metrics.mean_acceptance_length, drafts_per_drafted_row_step),
+        "tokens_per_row_step": tokens_per_row_step,
+        "predicted_speedup": predicted,
+        "measured_speedup": measured_ratio,
+        "measured_over_predicted": measured_ratio / predicted,
+    }
+
+
+def fitted_alpha(tau: float, k: float) -> float | None:
+    """The a at which the formula's numerator (1 - a^(k+1)) / (1 - a) equals the measured tau at k
+    drafts (k may be a mean, not an integer); None without drafts."""
+    if k <= 0:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(60):  # the numerator rises with a from 1 (a = 0) to k + 1 (a = 1)
+        middle = (low + high) / 2
+        if sum(middle**i for i in range(int(k) + 1)) + (k - int(k)) * middle ** (int(k) + 1) < tau:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def format_profile(results: dict) -> list[str]:
+    """Lines of the profile table (ms per decode step by part, then the prediction); [] without one."""
+    arms = {name: arm["profile"] for name, arm in results["arms"].items() if "profile" in arm}
+    if not arms:
+        return []
+    columns = [*SECTIONS, "total"]
+    header = ["arm", *columns, "plain", "c", "tok/row-step", "predicted", "measured", "meas/pred"]
+    rows = []
+    for name, profile in arms.items():
+        if isinstance(profile, str):
+            rows.append([name, profile])
+            continue
+        per_step = profile["per_step_ms"]
+        cells = [name, *(f"{per_step[c]:.2f}" if per_step else "" for c in columns)]
+        for key, fmt in (
+            ("plain_step_ms", "{:.2f}"), ("c", "{:.3f}"), ("tokens_per_row_step", "{:.2f}"),
+            ("predicted_speedup", "{:.2f}x"), ("measured_speedup", "{:.2f}x"), ("measured_over_predicted", "{:.2f}"),
+        ):  # fmt: skip
+            value = profile.get(key)
+            cells.append("" if value is None else fmt.format(value))
+        rows.append(cells)
+    table = [row for row in rows if len(row) == len(header)]
+    widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
+    lines = ["decode step by part (ms per step; plain: plain's ms per decode step), the formula's prediction:"]
+    lines.append("  ".join(cell.rjust(width) for cell, width in zip(header, widths)))
+    for row in rows:
+        lines.append("  ".join(cell.rjust(width) for cell, width in zip(row, widths)) if len(row) == len(header) else f"{row[0]}: {row[1]}")
+    return lines

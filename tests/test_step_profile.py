@@ -1,0 +1,133 @@
+"""The step profile (`profiling.py`), the formula's prediction from it (`bench/profile_report.py`),
+and `hf-specdec bench --profile` / `--temperature`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from conftest import EOS_TOKEN_ID, PAD_TOKEN_ID, build_tiny_llama
+from test_bench_cli import bench_args, model_folder, prompts_file  # noqa: F401 (fixtures)
+
+import hf_specdec
+from hf_specdec import cli
+from hf_specdec.bench.arms import Arm
+from hf_specdec.bench.profile_report import fitted_alpha, profile_summary
+from hf_specdec.bench.runner import ArmRuns
+from hf_specdec.loop.auto_k import expected_tokens, predicted_speedup
+from hf_specdec.loop.metrics import SpecDecodeMetrics
+from hf_specdec.profiling import SECTIONS, StepProfile, profile_steps
+
+PROMPT = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6]])
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = build_tiny_llama()
+    hf_specdec.enable(model)
+    return model
+
+
+def generate(model, config: dict, **kwargs):
+    return model.generate(
+        PROMPT, max_new_tokens=24, do_sample=False, pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
+        speculative_config=config, return_dict_in_generate=True, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        {"method": "layer_skip", "early_exit_layer": 1, "num_speculative_tokens": 3},
+    ],
+    ids=["ngram", "layer_skip"],
+)
+def test_profile_splits_every_decode_step_without_changing_the_output(target, config):
+    plain = generate(target, config).sequences
+    started = time.perf_counter()
+    with profile_steps() as profile:
+        out = generate(target, config)
+    wall = time.perf_counter() - started
+    assert torch.equal(out.sequences, plain)  # profiling changes no token
+    metrics = out.spec_metrics
+    assert profile.num_steps == metrics["num_target_forwards"] - 1  # every step but the prompt's
+    per_step = profile.per_step_ms()
+    assert set(per_step) == {*SECTIONS, "total"}
+    assert all(per_step[part] >= 0 for part in SECTIONS), per_step
+    assert per_step["verify_forward"] > 0 and per_step["sampling"] > 0 and per_step["emit"] > 0
+    # an n-gram lookup runs no network; the early exit runs the target's first layer k times a step
+    if config["method"] == "ngram":
+        assert per_step["draft_forward"] == 0 and per_step["draft_other"] > 0
+    else:
+        assert per_step["draft_forward"] > 0
+    # the parts are disjoint: together no longer than the call itself
+    assert per_step["total"] * profile.num_steps / 1000 <= wall
+
+
+def test_no_profile_outside_the_block(target):
+    config = {"method": "ngram", "num_speculative_tokens": 3}
+    with profile_steps() as profile:
+        pass
+    generate(target, config)
+    assert profile.num_steps == 0 and profile.per_step_ms() == {}
+
+
+@pytest.mark.parametrize("alpha,k", [(0.0, 3), (0.35, 1), (0.7, 4), (0.93, 8)])
+def test_fitted_alpha_inverts_the_numerator(alpha, k):
+    assert fitted_alpha(expected_tokens(alpha, k), k) == pytest.approx(alpha, abs=1e-6)
+    assert fitted_alpha(1.0, 0) is None
+
+
+def test_prediction_is_the_seed_formula_for_a_full_chain():
+    """Every step drafting k with measured tau and drafter time: predicted = formula(a fitted, c, k)."""
+    k, alpha, steps = 4, 0.8, 100
+    runs = ArmRuns(Arm("ours", {}, k))
+    tau = expected_tokens(alpha, k)
+    runs.metrics = SpecDecodeMetrics(
+        num_drafts=steps, num_draft_tokens=k * steps, num_accepted_tokens=round((tau - 1) * steps), num_row_steps=steps
+    )
+    runs.profile = StepProfile()
+    runs.profile.num_steps = steps
+    plain_step_s, draft_s = 0.020, 0.004  # each step's drafter forwards: 0.2 plain steps, c = 0.05
+    runs.profile.seconds.update(draft_forward=draft_s * steps, verify_forward=0.021 * steps, emit=0.001 * steps)
+    summary = profile_summary(runs, plain_step_s, measured_ratio=2.0)
+    assert summary["c"] == pytest.approx(0.05)
+    assert summary["alpha_fit"] == pytest.approx(alpha, abs=1e-3)
+    expected = predicted_speedup(alpha, 0.05, k)
+    assert summary["predicted_speedup"] == pytest.approx(expected, rel=1e-3)
+    assert summary["measured_over_predicted"] == pytest.approx(2.0 / expected, rel=1e-3)
+    assert summary["per_step_ms"]["total"] == pytest.approx(26.0)
+    assert summary["per_step_plain_steps"]["verify_forward"] == pytest.approx(1.05)
+
+
+def test_bench_profile_and_temperature(model_folder, prompts_file, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "results.json"
+    status = cli.main(
+        bench_args(model_folder, prompts_file, "--method", "layer_skip", "--early-exit-layer", "1", "--k", "2",
+                   "--plain-fast-linears", "--profile", "--temperature", "0.7", "--out", str(out))
+    )  # fmt: skip
+    assert status == 0
+    results = json.loads(out.read_text())
+    assert results["settings"]["profile"] is True and results["settings"]["temperature"] == 0.7
+    arms = results["arms"]
+    assert arms["plain"]["profile"].startswith("not our loop")
+    profile = arms["ours"]["profile"]
+    assert profile["num_steps"] > 0 and profile["per_step_ms"]["draft_forward"] > 0
+    assert profile["predicted_speedup"] > 0
+    assert profile["measured_over_predicted"] == pytest.approx(
+        arms["ours"]["ratio_vs_plain_fast_linears"] / profile["predicted_speedup"]
+    )
+    assert arms["ours"]["rows"] == 0  # sampled: not compared token for token
+    table = capsys.readouterr().out
+    assert "sampled at temperature 0.7" in table and "meas/pred" in table
+    assert "plain: not our loop: no breakdown" in table
+
+
+def test_bench_temperature_must_be_positive(model_folder, prompts_file, capsys):  # noqa: F811
+    with pytest.raises(SystemExit) as info:
+        cli.main(bench_args(model_folder, prompts_file, "--method", "ngram", "--temperature", "0"))
+    assert info.value.code == 2
+    assert "--temperature=0.0: allowed: a number > 0" in capsys.readouterr().err
