@@ -12,7 +12,7 @@ from conftest import build_tiny_llama, ngram_config, plain_generate, repeated_sp
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
-from hf_specdec.loop import decoding
+from hf_specdec.loop import auto_k, decoding
 from hf_specdec.loop.auto_k import (
     AutoKController,
     best_k,
@@ -253,6 +253,7 @@ def _auto_config(method: str, k_max: int) -> dict:
 )
 def test_auto_greedy_matches_plain_generate(enabled_llama, monkeypatch, method, batch_size):
     model = enabled_llama
+    auto_k.forget(model)  # from the priors, not from what an earlier test's calls taught it
     inputs = repeated_span_batch(batch_size)
     k_max = 6
     proposers = []
@@ -293,6 +294,29 @@ def test_auto_greedy_matches_plain_generate(enabled_llama, monkeypatch, method, 
     assert all(drafted <= limit <= k_max for step in steps for limit, drafted in step)
     assert any(0 < limit < k_max for step in steps for limit, _ in step)
     assert recorded == chosen  # the loop books each step's timing under the k that step ran with
+
+
+def test_auto_k_carries_what_it_learned_to_the_next_call(enabled_llama):
+    """The second call with the same config and sampling mode continues the first's controller (its
+    prompt step still not timed); another config, the other sampling mode or `forget` start afresh."""
+    model, inputs = enabled_llama, repeated_span_batch(1)
+    auto_k.forget(model)
+    config = SpeculativeConfig.from_any(ngram_config("auto", 1, 4, max_speculative_tokens=5))
+    first = auto_k.controller_for(model, config, do_sample=False)
+    generated = model.generate(**inputs, max_new_tokens=24, do_sample=False, speculative_config=config.to_dict())
+    learned_steps = first._steps
+    assert learned_steps > 1 and not first._prefill_pending
+    again = auto_k.controller_for(model, SpeculativeConfig.from_any(config.to_dict()), do_sample=False)
+    assert again is first and again._prefill_pending and again._steps == learned_steps
+    assert torch.equal(
+        model.generate(**inputs, max_new_tokens=24, do_sample=False, speculative_config=config.to_dict()), generated
+    )
+    assert first._steps > learned_steps  # the second call's steps went to the same controller
+    assert auto_k.controller_for(model, config, do_sample=True) is not first
+    other = SpeculativeConfig.from_any(ngram_config("auto", 1, 4, max_speculative_tokens=4))
+    assert auto_k.controller_for(model, other, do_sample=False) is not first
+    auto_k.forget(model)
+    assert auto_k.controller_for(model, config, do_sample=False) is not first
 
 
 def test_fixed_k_records_its_k_and_disable_by_batch_size_records_zero(enabled_llama):
@@ -416,6 +440,9 @@ def test_auto_sampling_matches_exact_distribution(monkeypatch):
     chosen: list[int] = []
     next_k = AutoKController.next_k
     monkeypatch.setattr(AutoKController, "next_k", lambda self, rows: chosen.append(next_k(self, rows)) or chosen[-1])
+    # every call from the priors (a 3-token call is too short to probe): carried over, a call whose
+    # drafts did not pay would leave the next ones drafting nothing, and they must draft
+    monkeypatch.setattr(decoding, "controller_for", lambda model, config, do_sample: AutoKController(config.max_draft_tokens))
     model = hf_specdec.enable(build_small_vocab_llama())
     sampling = SETTINGS["temperature_topk_topp"]
     config = {**NGRAM_CONFIG, "num_speculative_tokens": "auto", "max_speculative_tokens": 4}

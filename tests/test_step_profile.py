@@ -10,6 +10,8 @@ import pytest
 import torch
 from conftest import EOS_TOKEN_ID, PAD_TOKEN_ID, build_tiny_llama
 from test_bench_cli import bench_args, model_folder, prompts_file  # noqa: F401 (fixtures)
+from test_eagle import random_head
+from test_mtp import mtp_config, target  # noqa: F401 (fixture)
 
 import hf_specdec
 from hf_specdec import cli
@@ -24,7 +26,7 @@ PROMPT = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6]])
 
 
 @pytest.fixture(scope="module")
-def target():
+def llama():
     model = build_tiny_llama()
     hf_specdec.enable(model)
     return model
@@ -37,19 +39,26 @@ def generate(model, config: dict, **kwargs):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-        {"method": "layer_skip", "early_exit_layer": 1, "num_speculative_tokens": 3},
-    ],
-    ids=["ngram", "layer_skip"],
-)
-def test_profile_splits_every_decode_step_without_changing_the_output(target, config):
-    plain = generate(target, config).sequences
+CONFIGS = {
+    "ngram": lambda model: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    "layer_skip": lambda model: {"method": "layer_skip", "early_exit_layer": 1, "num_speculative_tokens": 3},
+    "draft_model": lambda model: {"method": "draft_model", "model": build_tiny_llama(seed=1), "num_speculative_tokens": 3},
+    "eagle3": lambda model: {"method": "eagle3", "model": random_head(model, "eagle3"), "num_speculative_tokens": 3},
+    "eagle_tree": lambda model: {
+        "method": "eagle", "model": random_head(model, "eagle"), "num_speculative_tokens": 3, "tree": {"num_nodes": 6},
+    },
+    "mtp": lambda model: mtp_config(k=2),
+}
+
+
+@pytest.mark.parametrize("drafter", list(CONFIGS))
+def test_profile_splits_every_decode_step_without_changing_the_output(llama, drafter, request):
+    model = request.getfixturevalue("target") if drafter == "mtp" else llama  # test_mtp's DeepSeek-V3
+    config = CONFIGS[drafter](model)
+    plain = generate(model, config).sequences
     started = time.perf_counter()
     with profile_steps() as profile:
-        out = generate(target, config)
+        out = generate(model, config)
     wall = time.perf_counter() - started
     assert torch.equal(out.sequences, plain)  # profiling changes no token
     metrics = out.spec_metrics
@@ -59,7 +68,7 @@ def test_profile_splits_every_decode_step_without_changing_the_output(target, co
     assert all(per_step[part] >= 0 for part in SECTIONS), per_step
     assert per_step["verify_forward"] > 0 and per_step["sampling"] > 0 and per_step["emit"] > 0
     # an n-gram lookup runs no network; the early exit runs the target's first layer k times a step
-    if config["method"] == "ngram":
+    if drafter == "ngram":
         assert per_step["draft_forward"] == 0 and per_step["draft_other"] > 0
     else:
         assert per_step["draft_forward"] > 0
@@ -67,11 +76,11 @@ def test_profile_splits_every_decode_step_without_changing_the_output(target, co
     assert per_step["total"] * profile.num_steps / 1000 <= wall
 
 
-def test_no_profile_outside_the_block(target):
+def test_no_profile_outside_the_block(llama):
     config = {"method": "ngram", "num_speculative_tokens": 3}
     with profile_steps() as profile:
         pass
-    generate(target, config)
+    generate(llama, config)
     assert profile.num_steps == 0 and profile.per_step_ms() == {}
 
 
@@ -101,6 +110,9 @@ def test_prediction_is_the_seed_formula_for_a_full_chain():
     assert summary["measured_over_predicted"] == pytest.approx(2.0 / expected, rel=1e-3)
     assert summary["per_step_ms"]["total"] == pytest.approx(26.0)
     assert summary["per_step_plain_steps"]["verify_forward"] == pytest.approx(1.05)
+    # with the forwards as measured (0.2 + 1.05 plain steps) and nothing else; the emit is the loop's own
+    assert summary["forward_bound_speedup"] == pytest.approx(tau / 1.25, rel=1e-3)
+    assert summary["loop_overhead"] == pytest.approx(0.05)
 
 
 def test_bench_profile_and_temperature(model_folder, prompts_file, tmp_path, capsys):  # noqa: F811

@@ -11,8 +11,12 @@ but the drafter's forwards is added. So, from the run itself:
 - tokens per row-step = 1 + accepted drafts per (row, step), drafted or not (with every step
   drafting k, exactly the formula's numerator at the a that gives the measured tau);
 - predicted = tokens per row-step / (1 + c k); measured = ours' tokens/s over plain's;
-  measured / predicted below 1 is what our loop adds: a verify forward dearer than a plain step,
-  bookkeeping, sampling, emit, glue (the per-part columns say which).
+  measured / predicted below 1 is what the formula leaves out: a verify forward dearer than a plain
+  step (on CPUs, fp32 GEMMs of 4+ rows cost up to 2x one row) and our loop's own work (bookkeeping,
+  sampling, emit, glue);
+- forward bound = tokens per row-step / ((drafter forwards + verify forward) / plain step): the
+  speedup with the forwards as measured and nothing else; measured / forward bound is our loop's
+  share alone, `loop_overhead` its time per step in plain steps.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ def profile_summary(runs, plain_step_s: float | None, measured_ratio: float) -> 
     drafts_per_drafted_row_step = metrics.num_draft_tokens / metrics.num_drafts if metrics.num_drafts else 0.0
     tokens_per_row_step = 1 + metrics.num_accepted_tokens / metrics.num_row_steps
     predicted = tokens_per_row_step / (1 + draft_cost)
+    forward_bound = tokens_per_row_step / ((per_step["draft_forward"] + per_step["verify_forward"]) / plain_ms)
     return {
         **out,
         "plain_step_ms": plain_ms,
@@ -42,6 +47,9 @@ def profile_summary(runs, plain_step_s: float | None, measured_ratio: float) -> 
         "predicted_speedup": predicted,
         "measured_speedup": measured_ratio,
         "measured_over_predicted": measured_ratio / predicted,
+        "forward_bound_speedup": forward_bound,
+        "measured_over_forward_bound": measured_ratio / forward_bound,
+        "loop_overhead": (per_step["total"] - per_step["draft_forward"] - per_step["verify_forward"]) / plain_ms,
     }
 
 
@@ -66,7 +74,7 @@ def format_profile(results: dict) -> list[str]:
     if not arms:
         return []
     columns = [*SECTIONS, "total"]
-    header = ["arm", *columns, "plain", "c", "tok/row-step", "predicted", "measured", "meas/pred"]
+    header = ["arm", *columns, "plain", "c", "tok/row-step", "predicted", "measured", "meas/pred", "meas/fwd bound"]
     rows = []
     for name, profile in arms.items():
         if isinstance(profile, str):
@@ -77,6 +85,7 @@ def format_profile(results: dict) -> list[str]:
         for key, fmt in (
             ("plain_step_ms", "{:.2f}"), ("c", "{:.3f}"), ("tokens_per_row_step", "{:.2f}"),
             ("predicted_speedup", "{:.2f}x"), ("measured_speedup", "{:.2f}x"), ("measured_over_predicted", "{:.2f}"),
+            ("measured_over_forward_bound", "{:.2f}"),
         ):  # fmt: skip
             value = profile.get(key)
             cells.append("" if value is None else fmt.format(value))

@@ -10,7 +10,11 @@ probability alpha given that the ones before it were, a step with k drafts yield
 when no k predicts a speedup above 1. `choose_k_for_costs` does the same with a measured cost per
 k in place of 1 + c k.
 
-`AutoKController` estimates alpha and c while generate() runs, per call:
+`AutoKController` estimates alpha and c while generate() runs. What it learned carries over to the
+next generate() call on the same model with the same speculative config and sampling mode
+(`controller_for`): a call of a few dozen tokens is over in about ten steps, too few to learn from
+the priors again each time (the Qwen2.5-Coder pair at 64 tokens: auto k reached 93% of the best
+fixed k when it started from the priors in every call). `forget(model)` starts it afresh.
 
 - alpha: each drafted step of a row tests its drafts in order until the first rejection, so it
   is a run of Bernoulli(alpha) trials: accepted / (accepted + rejections) over every row and
@@ -50,8 +54,9 @@ k in place of 1 + c k.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 TIE_TOLERANCE = 1e-9  # relative
 
@@ -164,6 +169,11 @@ class AutoKController:
         self._plain: dict[int, PlainStepTime] = {}  # by number of active rows
         self._steps = 0  # steps recorded so far
         self._last_drafted_step = 0
+        self._prefill_pending = True  # the next step runs the prompts (`begin_call`)
+
+    def begin_call(self) -> None:
+        """A generate() call starts: its first step runs the prompts, which says nothing about decoding."""
+        self._prefill_pending = True
 
     @property
     def alpha(self) -> float:
@@ -192,7 +202,7 @@ class AutoKController:
         """k for the next step of `num_rows` active rows: the formula's choice, or a probe."""
         costs = [self.step_cost(num_rows, k) for k in range(1, self.k_max + 1)]
         k = choose_k_for_costs(self.alpha, costs)
-        if self._steps == 0:  # the prefill step: no decode timing to take, speculate on the priors
+        if self._prefill_pending:  # the prefill step: no decode timing to take, speculate on the estimates
             return k
         plain = self._plain.get(num_rows)
         if plain is None or self._steps - plain.last_step >= self.probe_interval:
@@ -214,7 +224,8 @@ class AutoKController:
         drafted_per_row = sum(num_draft_tokens) / len(num_draft_tokens)
         if drafted_per_row > 0:
             self._last_drafted_step = self._steps
-        if self._steps == 1:  # the prefill step
+        if self._prefill_pending:  # the prefill step
+            self._prefill_pending = False
             return
         num_rows = len(num_draft_tokens)
         plain = self._plain.get(num_rows)
@@ -232,3 +243,34 @@ class AutoKController:
             self._step_cost[key].update(cost, 1.0)
             # weighted by k_drafted: a step that drafted little says little about the cost per draft
             self._c_estimate(num_rows).update(cost - 1.0, drafted_per_row)
+
+
+# per model: (speculative config, sampling mode) -> its controller, the most recent MAX_CONTROLLERS
+_CONTROLLERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+MAX_CONTROLLERS = 8
+
+
+def controller_for(model, config, do_sample: bool) -> AutoKController:
+    """The `AutoKController` of `model` for `config` (a `SpeculativeConfig` with auto k) and the
+    sampling mode, created on first use and kept between generate() calls (see the module docstring)."""
+    key = (
+        tuple((f.name, _identity(getattr(config, f.name))) for f in fields(config) if f.name != "seed"),
+        bool(do_sample),
+    )
+    kept = _CONTROLLERS.setdefault(model, {})
+    controller = kept.pop(key, None) or AutoKController(config.max_draft_tokens)
+    kept[key] = controller  # the most recently used last
+    while len(kept) > MAX_CONTROLLERS:
+        kept.pop(next(iter(kept)))
+    controller.begin_call()
+    return controller
+
+
+def forget(model) -> None:
+    """Drop what auto k learned on `model`: its next generate() calls start from the priors."""
+    _CONTROLLERS.pop(model, None)
+
+
+def _identity(value):
+    """A config value as part of a key: objects that are not plain values (a loaded draft) by identity."""
+    return value if value is None or isinstance(value, (str, int, float, bool, tuple)) else ("id", id(value))

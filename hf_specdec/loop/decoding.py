@@ -46,7 +46,7 @@ from ..sampling.rejection_sampler import draw_random, rejection_sample
 from ..sampling.tree import tree_depths
 from ..sampling.tree_acceptance import accept_tree
 from ..transfer import to_device
-from .auto_k import AutoKController
+from .auto_k import AutoKController, controller_for
 from .auto_tree import AutoTreeController
 from .metrics import SpecDecodeMetrics
 from .prefill import check_model_prefill, prefill_with_model
@@ -140,7 +140,7 @@ def generate(
     proposer = build_proposer(config, model, generation_config, logits_processor, target_cache=cache)
 
     metrics = SpecDecodeMetrics()
-    k_controller = AutoKController(config.max_draft_tokens) if config.auto_k else None
+    k_controller = controller_for(model, config, generation_config.do_sample) if config.auto_k else None
     tree_controller = AutoTreeController(config.tree.num_nodes) if config.tree is not None and config.tree.auto else None
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
