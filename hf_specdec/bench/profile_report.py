@@ -50,6 +50,9 @@ def profile_summary(runs, plain_step_s: float | None, measured_ratio: float) -> 
         "forward_bound_speedup": forward_bound,
         "measured_over_forward_bound": measured_ratio / forward_bound,
         "loop_overhead": (per_step["total"] - per_step["draft_forward"] - per_step["verify_forward"]) / plain_ms,
+        # below the batch size: rows that finished early leave steps that cost nearly a full batch's
+        # (a weight-bound forward) for fewer tokens, which the per-row formula does not see
+        "mean_rows_per_step": metrics.num_row_steps / metrics.num_target_forwards if metrics.num_target_forwards else None,
     }
 
 

@@ -34,8 +34,6 @@ from ..sampling.logits_processing import _POSITION_FREE
 from ..transfer import to_device
 from .base import ProposeRequest
 
-# the exponential race divides by E ~ Exp(1): a draw of 0 must not divide by zero (as the rejection sampler)
-NOISE_FLOOR = 1e-20
 # Draft generators must not share a stream with the rejection sampler's (seeded seed + row): a
 # draft drawn with the same numbers as its acceptance test is correlated with it, which biases
 # the output. torch's CPU generator keeps only the low 32 bits of a seed (seed + 2**40 would give
@@ -107,12 +105,18 @@ class DraftTokenPicker:
         if not self.sampling.do_sample:
             return logits.argmax(dim=-1), None
         q = torch.softmax(self.warp(logits), dim=-1)
-        # exponential race: argmax(q / E), E ~ Exp(1) i.i.d., draws token x with probability q(x) exactly
-        noise = torch.empty_like(q)
-        for i, row in enumerate(rows):
-            generator = self._generator(int(row))
-            noise[i] = torch.empty(q.shape[-1], device=generator.device).exponential_(generator=generator)
-        tokens = (q / noise.clamp_min(NOISE_FLOOR)).argmax(dim=-1)
+        # inverse CDF: the first token whose cumulative mass exceeds u ~ U[0, total) is x with
+        # probability q(x) (zero-mass tokens have empty intervals). In float64: float32's 24 bits,
+        # summed over a 152k vocabulary, could shift the intervals by up to ~1% of the mass in all.
+        # One uniform per row: the exponential race before drew a vocabulary's worth per row, most
+        # of a sampled draft step's own time at 152k tokens (Qwen2.5-Coder pair at batch 8: 150 ms
+        # a step beside 860 ms of drafter forwards)
+        cdf = q.double().cumsum(dim=-1)
+        uniform = torch.cat([
+            torch.rand(1, generator=self._generator(int(row)), device=self.device, dtype=torch.float64) for row in rows
+        ])  # fmt: skip
+        threshold = (uniform * cdf[:, -1])[:, None]
+        tokens = torch.searchsorted(cdf, threshold, right=True)[:, 0].clamp_max(q.shape[-1] - 1)
         return tokens, q
 
     def release(self, rows: Sequence[int]) -> None:
