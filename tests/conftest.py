@@ -6,8 +6,11 @@ runs stable when the machine is busy).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
+import sys
+from pathlib import Path
 
 # Triton reads TRITON_INTERPRET when it is imported (transformers' model code imports it), and the
 # kernel tests (test_rejection_kernels.py) run Triton's CPU interpreter: set it before that happens.
@@ -169,3 +172,13 @@ def word_tokenizer():
     )
     assert len(tokenizer) == VOCAB_SIZE
     return tokenizer
+
+
+def load_benchmark(name: str):
+    """`benchmarks/<name>.py` imported as a module (registered in sys.modules: dataclasses look it up)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -5,7 +5,6 @@ bf16 target whose greedy walk the oracle can follow."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import load_benchmark
 
 from hf_specdec.config import SpeculativeConfig, TreeSpec
 from hf_specdec.drafters import ProposeRequest
@@ -46,11 +46,7 @@ TREE_CELL_KEYS = CELL_KEYS | {
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_gpu")
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,9 @@ from, and the figures predict nothing.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import build_tiny_llama, left_padded_batch, plain_generate
+from conftest import build_tiny_llama, left_padded_batch, load_benchmark, plain_generate
 from hf_specdec.trainers.data import TokenizedData
 from hf_specdec.trainers.objectives import DraftTrainingObjective
 from hf_specdec.trainers.target_states import run_target
@@ -117,7 +114,7 @@ def test_head_acceptance_benchmark_scores_heads_of_both_methods_in_one_run(fitte
     """`benchmarks/head_acceptance.py` keeps the target's features between heads: an EAGLE head (the
     last hidden state) and an EAGLE-3 head (three layers concatenated) read different ones, and
     each must score as it does alone (the shared cache once fed EAGLE's features to EAGLE-3)."""
-    bench = _load_bench()
+    bench = load_benchmark("head_acceptance")
     model, _, sequences, folder = fitted_head
     data = TokenizedData(
         input_ids=sequences.tolist(), loss_masks=[[0] * PROMPT_LEN + [1] * MAX_NEW_TOKENS for _ in sequences]
@@ -128,14 +125,6 @@ def test_head_acceptance_benchmark_scores_heads_of_both_methods_in_one_run(fitte
     alone = [bench.simulated_acceptance(head, model, data, TTT_STEPS, {}) for head in heads]
     assert together == alone
     assert together[1]["tau"] > 1.5  # the fitted EAGLE-3 head: a real score, not a degenerate one
-
-
-def _load_bench():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "head_acceptance.py"
-    spec = importlib.util.spec_from_file_location("head_acceptance", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 def test_target_rank_is_zero_exactly_where_the_draft_hits(fitted_head):
@@ -160,7 +149,7 @@ def test_head_acceptance_tree_tau_spans_chain_to_every_token(fitted_head):
     """A tree of width 1 is the chain; a tree as wide as the draft vocabulary holds the target's
     path whole, so it accepts every labelled draft step; widths in between lie in between. The
     best static tree of N nodes grows with N from the first draft alone to the whole path."""
-    bench = _load_bench()
+    bench = load_benchmark("head_acceptance")
     model, _, sequences, folder = fitted_head
     data = TokenizedData(
         input_ids=sequences.tolist(), loss_masks=[[0] * PROMPT_LEN + [1] * MAX_NEW_TOKENS for _ in sequences]
@@ -188,7 +177,7 @@ def test_head_acceptance_tree_tau_spans_chain_to_every_token(fitted_head):
 
 
 def test_head_acceptance_rejects_bad_tree_widths():
-    bench = _load_bench()
+    bench = load_benchmark("head_acceptance")
     assert bench.parse_tree_widths("4,2,1") == (4, 2, 1)
     for bad in ("", "4,,1", "0,2", "a"):
         with pytest.raises(ValueError, match="--tree-widths"):
@@ -214,7 +203,7 @@ def test_rank_of_matches_a_full_sort_of_the_heads_logits(fitted_head):
 
 
 def test_head_acceptance_rejects_bad_tree_nodes(capsys):
-    bench = _load_bench()
+    bench = load_benchmark("head_acceptance")
     with pytest.raises(SystemExit):
         bench.main(["some-head", "--tree-nodes", "0"])
     assert "--tree-nodes" in capsys.readouterr().err
@@ -224,7 +213,7 @@ def test_head_acceptance_splits_first_drafts_by_the_targets_confidence(fitted_he
     """`--by-target-confidence`: the buckets partition the chains' first drafts by the target's own
     probability of its greedy token there (checked against the target's logits), and together
     they give the first draft's acceptance."""
-    bench = _load_bench()
+    bench = load_benchmark("head_acceptance")
     model, _, sequences, folder = fitted_head
     data = TokenizedData(
         input_ids=sequences.tolist(), loss_masks=[[0] * PROMPT_LEN + [1] * MAX_NEW_TOKENS for _ in sequences]
@@ -251,7 +240,7 @@ def test_head_acceptance_splits_first_drafts_by_the_targets_confidence(fitted_he
 
 
 def test_head_acceptance_rejects_bad_confidence_edges():
-    bench = _load_bench()
+    bench = load_benchmark("head_acceptance")
     assert bench.parse_confidence_edges("0,0.5,1") == (0.0, 0.5, 1.0)
     for bad in ("0.5", "0,0.5,0.4", "-0.1,1", "0,1.5", "a,b", "0,,1"):
         with pytest.raises(ValueError, match="--by-target-confidence"):

@@ -5,26 +5,16 @@ the leading depths whose rank prefix is a node."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 
 from hf_specdec.config import TreeSpec
 
-
-def _load_bench():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "head_acceptance.py"
-    spec = importlib.util.spec_from_file_location("head_acceptance", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
-bench = _load_bench()
+bench = load_benchmark("head_acceptance")
 
 
 def _prefix_closed(paths) -> bool:
