@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 import hf_specdec
-from hf_specdec.loop import decoding
+from hf_specdec.loop import step
 from hf_specdec.models.real_models import load_smollm2, mtbench_prompts
 
 EAGLE3_HEAD = Path(__file__).resolve().parents[1] / "model_cards" / "SmolLM2-135M-Instruct-eagle3"
@@ -100,7 +100,7 @@ class SamplerProbe:
 
     def __init__(self):
         self.reset()
-        original = decoding.rejection_sample
+        original = step.rejection_sample
         probe = self
 
         def probed(metadata, logits, is_greedy, draws=None, draft_probs=None, method="token"):
@@ -113,7 +113,7 @@ class SamplerProbe:
                 probe.squares += (block - token) ** 2
             return original(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs, method=method)
 
-        decoding.rejection_sample = probed
+        step.rejection_sample = probed
 
     def reset(self) -> None:
         self.calls = self.with_q = self.rows = 0

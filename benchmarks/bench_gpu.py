@@ -21,7 +21,7 @@ The forwards cost the same either way.
 The drafter is an oracle (`OracleProposer`): row r, n tokens into its output, proposes plain
 generate()'s greedy tokens n..n+k-1, each replaced by a wrong id with probability 1 - alpha
 (seeded, the draws keyed by row, position and rank), so the acceptance is set and the output must
-stay plain's. It gets into the loop by replacing `hf_specdec.loop.decoding.build_proposer` for the
+stay plain's. It gets into the loop by replacing `hf_specdec.loop.engine.build_proposer` for the
 call (there is no public hook for a proposer object); the carrier config is {"method": "ngram",
 "num_speculative_tokens": k}.
 
@@ -119,7 +119,7 @@ from transformers import AutoModelForCausalLM, CompileConfig, LlamaConfig, PreTr
 import hf_specdec
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.drafters import DraftProposal, ProposeRequest
-from hf_specdec.loop import decoding
+from hf_specdec.loop import engine, step
 from hf_specdec.loop.auto_k import expected_tokens
 
 LLAMA_8B_SHAPE = {
@@ -380,19 +380,19 @@ class OracleProposer:
 def oracle_in_loop(oracle: OracleProposer) -> Iterator[OracleProposer]:
     """generate() builds `oracle` as its drafter while this is open (the loop's `build_proposer`
     replaced, as tests/test_auto_k.py does)."""
-    original = decoding.build_proposer
-    decoding.build_proposer = lambda *args, **kwargs: oracle
+    original = engine.build_proposer
+    engine.build_proposer = lambda *args, **kwargs: oracle
     try:
         yield oracle
     finally:
-        decoding.build_proposer = original
+        engine.build_proposer = original
 
 
 @contextlib.contextmanager
 def timed_forwards(device: torch.device) -> Iterator[list]:
-    """Times every target forward of the loop (`decoding.forward_tokens`): CUDA events on CUDA (no
+    """Times every target forward of the loop (`step.forward_tokens`): CUDA events on CUDA (no
     synchronization added), wall seconds on CPU. Yields the records; `forward_seconds` reads them."""
-    original = decoding.forward_tokens
+    original = step.forward_tokens
     records: list = []
 
     def timed(*args, **kwargs):
@@ -408,11 +408,11 @@ def timed_forwards(device: torch.device) -> Iterator[list]:
             records.append(time.perf_counter() - started)
         return logits
 
-    decoding.forward_tokens = timed
+    step.forward_tokens = timed
     try:
         yield records
     finally:
-        decoding.forward_tokens = original
+        step.forward_tokens = original
 
 
 def forward_seconds(records: list) -> list[float]:

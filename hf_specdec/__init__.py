@@ -4,13 +4,15 @@
     hf_specdec.enable(model)
     out = model.generate(**inputs, speculative_config={"method": "ngram", "num_speculative_tokens": 5})
 
-or, without patching: `model.generate(**inputs, custom_generate=hf_specdec.generate, speculative_config=...)`.
+or, without patching: `model.generate(**inputs, custom_generate=hf_specdec.generate, speculative_config=...)`;
+requests that come and go: `hf_specdec.SpeculativeEngine` (`hf-specdec serve` puts an OpenAI-compatible server on it).
 """
 
 from .cache.paged_cache import CacheExhaustedError, PagedKVCache
 from .config import SpeculativeConfig
 from .heads.eagle_heads import EagleHead, load_eagle_head
 from .loop.decoding import SpeculativeGenerateOutput, generate
+from .loop.engine import RequestOutput, SpeculativeEngine
 from .loop.integration import disable, enable
 from .loop.metrics import SpecDecodeMetrics
 from .models.cpu_linear import fast_cpu_linears
@@ -19,7 +21,9 @@ __all__ = [
     "CacheExhaustedError",
     "EagleHead",
     "PagedKVCache",
+    "RequestOutput",
     "SpecDecodeMetrics",
+    "SpeculativeEngine",
     "SpeculativeConfig",
     "SpeculativeGenerateOutput",
     "disable",

@@ -12,7 +12,7 @@ from conftest import build_tiny_llama, ngram_config, plain_generate, repeated_sp
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
-from hf_specdec.loop import auto_k, decoding
+from hf_specdec.loop import auto_k, engine
 from hf_specdec.loop.auto_k import (
     AutoKController,
     best_k,
@@ -262,8 +262,8 @@ def test_auto_greedy_matches_plain_generate(enabled_llama, monkeypatch, method, 
         proposers.append(RecordingProposer(build_proposer(*args, **kwargs)))
         return proposers[-1]
 
-    build_proposer = decoding.build_proposer
-    monkeypatch.setattr(decoding, "build_proposer", recording_build_proposer)
+    build_proposer = engine.build_proposer
+    monkeypatch.setattr(engine, "build_proposer", recording_build_proposer)
     chosen, recorded = [], []
     next_k, record_step = AutoKController.next_k, AutoKController.record_step
     monkeypatch.setattr(AutoKController, "next_k", lambda self, rows: chosen.append(next_k(self, rows)) or chosen[-1])
@@ -442,7 +442,7 @@ def test_auto_sampling_matches_exact_distribution(monkeypatch):
     monkeypatch.setattr(AutoKController, "next_k", lambda self, rows: chosen.append(next_k(self, rows)) or chosen[-1])
     # every call from the priors (a 3-token call is too short to probe): carried over, a call whose
     # drafts did not pay would leave the next ones drafting nothing, and they must draft
-    monkeypatch.setattr(decoding, "controller_for", lambda model, config, do_sample: AutoKController(config.max_draft_tokens))
+    monkeypatch.setattr(engine, "controller_for", lambda model, config, do_sample: AutoKController(config.max_draft_tokens))
     model = hf_specdec.enable(build_small_vocab_llama())
     sampling = SETTINGS["temperature_topk_topp"]
     config = {**NGRAM_CONFIG, "num_speculative_tokens": "auto", "max_speculative_tokens": 4}

@@ -567,9 +567,9 @@ def test_generate_with_block_follows_the_target_distribution(small_vocab_pair, m
         methods.append((method, kwargs.get("draft_probs") is not None))
         return original(*args, method=method, **kwargs)
 
-    from hf_specdec.loop import decoding
+    from hf_specdec.loop import step
 
-    monkeypatch.setattr(decoding, "rejection_sample", recorded)
+    monkeypatch.setattr(step, "rejection_sample", recorded)
     sampling = SETTINGS["temperature_topk_topp"]
     exact = exact_distribution(target, sampling)
     samples, metrics = speculative_samples(target, sampling, block_config(draft), num_samples=4000, seed=2024)

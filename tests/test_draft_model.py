@@ -37,7 +37,7 @@ from transformers import (
 
 import hf_specdec
 from hf_specdec.drafters import DraftModelProposer, DraftSampling, ProposeRequest
-from hf_specdec.loop import decoding
+from hf_specdec.loop import step
 
 
 def perturbed_copy(target, num_layers: int | None = None, noise: float = 0.1, seed: int = 1, **overrides):
@@ -204,7 +204,7 @@ def test_wrong_q_is_detected(small_vocab_pair, monkeypatch):
     target, draft = small_vocab_pair
     sampling = SETTINGS["temperature_topk_topp"]
     exact = exact_distribution(target, sampling)
-    original = decoding.rejection_sample
+    original = step.rejection_sample
     seen = []
 
     def uniform_q(metadata, logits, is_greedy, draws=None, draft_probs=None, method="token"):
@@ -212,7 +212,7 @@ def test_wrong_q_is_detected(small_vocab_pair, monkeypatch):
         wrong = None if draft_probs is None else torch.full_like(draft_probs, 1.0 / draft_probs.shape[-1])
         return original(metadata, logits, is_greedy, draws=draws, draft_probs=wrong, method=method)
 
-    monkeypatch.setattr(decoding, "rejection_sample", uniform_q)
+    monkeypatch.setattr(step, "rejection_sample", uniform_q)
     samples = _draft_samples(target, draft, sampling, num_samples=4000, seed=1234)
     assert any(q is not None for q in seen)
     for q in seen:
@@ -222,12 +222,12 @@ def test_wrong_q_is_detected(small_vocab_pair, monkeypatch):
 
 
 def _acceptance_rate(target, draft, drop_q: bool, monkeypatch) -> float:
-    original = decoding.rejection_sample
+    original = step.rejection_sample
 
     def maybe_drop_q(metadata, logits, is_greedy, draws=None, draft_probs=None, method="token"):
         return original(metadata, logits, is_greedy, draws=draws, draft_probs=None if drop_q else draft_probs, method=method)
 
-    monkeypatch.setattr(decoding, "rejection_sample", maybe_drop_q)
+    monkeypatch.setattr(step, "rejection_sample", maybe_drop_q)
     input_ids = torch.tensor([PROMPT] * 400)
     metrics = target.generate(
         input_ids=input_ids,

@@ -29,7 +29,7 @@ import hf_specdec
 from hf_specdec.drafters import ProposeRequest
 from hf_specdec.drafters.eagle import EagleProposer
 from hf_specdec.heads.eagle_heads import EagleHead
-from hf_specdec.loop import decoding
+from hf_specdec.loop import step
 from hf_specdec.models.feature_capture import PendingFeatures, target_features
 from hf_specdec.sampling.rejection_sampler import RandomDraws, rejection_sample
 
@@ -122,7 +122,7 @@ def test_sampling_test_detects_always_accepting(monkeypatch):
         draws = RandomDraws(uniform=torch.zeros_like(draws.uniform), exponential=draws.exponential)
         return rejection_sample(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs, method=method)
 
-    monkeypatch.setattr(decoding, "rejection_sample", always_accept)
+    monkeypatch.setattr(step, "rejection_sample", always_accept)
     samples, _, _ = _eagle_samples(model, "eagle3", sampling)
     assert chi_square_pvalue(samples, exact_distribution(model, sampling)) < 1e-6
 

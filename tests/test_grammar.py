@@ -29,7 +29,7 @@ from scipy.stats import chisquare
 from xgrammar.contrib.hf import LogitsProcessor as XgrammarProcessor
 
 import hf_specdec
-from hf_specdec.loop import decoding
+from hf_specdec.loop import step
 from hf_specdec.sampling import grammar as grammar_module
 
 WORDS = ["<pad>", "</s>", "<s>"] + [f"w{i}" for i in range(3, VOCAB_SIZE - 1)] + ["abcdef"]
@@ -79,7 +79,7 @@ def test_forbidden_drafts_are_cut_before_the_verify(monkeypatch):
     inputs = left_padded_batch(repeated_span_prompts(3))
     config = {"method": "ngram", "num_speculative_tokens": 4}
     cut = generate(model, inputs, config, max_new_tokens=24, do_sample=False)
-    monkeypatch.setattr(decoding, "cut_forbidden_drafts", lambda processors, rows, drafts: drafts)
+    monkeypatch.setattr(step, "cut_forbidden_drafts", lambda processors, rows, drafts: drafts)
     whole = generate(model, inputs, config, max_new_tokens=24, do_sample=False)
     assert torch.equal(cut.sequences, whole.sequences)
     assert cut.spec_metrics["num_draft_tokens"] < whole.spec_metrics["num_draft_tokens"]

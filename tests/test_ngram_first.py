@@ -16,7 +16,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.drafters import DraftProposal, NgramFirstProposer, NgramProposer, ProposeRequest
 from hf_specdec.drafters.eagle import EagleProposer
 from hf_specdec.drafters.ngram_first import _with_one_hot_rows
-from hf_specdec.loop import decoding
+from hf_specdec.loop import step
 
 
 def test_config():
@@ -79,7 +79,7 @@ def test_fast_linears_reach_the_wrapped_head(enabled_llama):
     proposer = hf_specdec.drafters.build_proposer(config, enabled_llama)
     assert isinstance(proposer, NgramFirstProposer)
     assert proposer.target_feature_layers == proposer.drafter.target_feature_layers
-    assert decoding._drafter_networks(proposer) == [proposer.drafter.head]
+    assert step.drafter_networks(proposer) == [proposer.drafter.head]
 
 
 def test_one_hot_rows_merge_in_row_order():

@@ -187,7 +187,7 @@ def test_cache_needs_paged_metadata():
 def paged_forward(
     model, cache: PagedKVCache, rows: list[int], segments: list[list[int]]
 ) -> list[torch.Tensor]:
-    """One packed forward of each row's new tokens, as decoding.speculative_step does it; logits per row."""
+    """One packed forward of each row's new tokens, as step.speculative_step does it; logits per row."""
     counts = [len(s) for s in segments]
     starts = [cache.seq_lens.get(row, 0) for row in rows]
     meta = cache.prepare_forward(rows, counts)
@@ -308,16 +308,16 @@ def test_generate_with_small_blocks_and_exact_pool(block_size):
 
 def test_generate_returns_every_block(monkeypatch):
     """Rows that finish (EOS at different steps, or max_new_tokens) hand their blocks back."""
-    from hf_specdec.loop import decoding
+    from hf_specdec.loop import engine
 
     caches = []
-    original = decoding.PagedKVCache.for_model
+    original = engine.PagedKVCache.for_model
 
     def capture(*args, **kwargs):
         caches.append(original(*args, **kwargs))
         return caches[-1]
 
-    monkeypatch.setattr(decoding.PagedKVCache, "for_model", capture)
+    monkeypatch.setattr(engine.PagedKVCache, "for_model", capture)
     model = hf_specdec.enable(build_tiny_llama())
     inputs = repeated_span_batch(4)
     width = inputs["input_ids"].shape[1]

@@ -18,7 +18,7 @@ from conftest import SMALL_VOCAB_SIZE, build_small_vocab_llama
 from scipy.stats import chisquare, kstest
 
 import hf_specdec
-from hf_specdec.loop import decoding
+from hf_specdec.loop import step
 from hf_specdec.sampling.metadata import SpecDecodeMetadata
 from hf_specdec.sampling.rejection_sampler import RandomDraws, draw_random, rejection_sample
 
@@ -130,7 +130,7 @@ def test_broken_sampler_is_detected(model, monkeypatch):
         draws = RandomDraws(uniform=torch.zeros_like(draws.uniform), exponential=draws.exponential)
         return rejection_sample(metadata, logits, is_greedy, draws=draws, draft_probs=draft_probs, method=method)
 
-    monkeypatch.setattr(decoding, "rejection_sample", always_accept)
+    monkeypatch.setattr(step, "rejection_sample", always_accept)
     samples, _ = speculative_samples(model, sampling, NGRAM_CONFIG, num_samples=4000, seed=1234)
     assert chi_square_pvalue(samples, exact) < 1e-6
 

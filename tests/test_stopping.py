@@ -19,22 +19,22 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
-from hf_specdec.loop import decoding
+from hf_specdec.loop import engine
 
 
 class StepRecorder:
-    """Wraps `decoding.speculative_step`: per step, the (row, emitted tokens) pairs."""
+    """Wraps `engine.speculative_step`: per step, the (row, emitted tokens) pairs."""
 
     def __init__(self, monkeypatch):
         self.steps: list[list[tuple[int, list[int]]]] = []
-        original = decoding.speculative_step
+        original = engine.speculative_step
 
         def recording_step(*args, **kwargs):
             emitted = original(*args, **kwargs)
             self.steps.append([(row, tokens.tolist()) for row, tokens, _, _ in emitted])
             return emitted
 
-        monkeypatch.setattr(decoding, "speculative_step", recording_step)
+        monkeypatch.setattr(engine, "speculative_step", recording_step)
 
     def spans(self, row: int) -> list[list[int]]:
         return [tokens for step in self.steps for r, tokens in step if r == row]

@@ -25,7 +25,7 @@ from test_eagle import TRAINED_TARGET_INIT, _random_prompts, random_head, train_
 from test_sampling_distribution import SETTINGS, chi_square_pvalue, exact_distribution, speculative_samples
 
 import hf_specdec
-from hf_specdec.loop import decoding
+from hf_specdec.loop import engine
 from hf_specdec.sampling import tree_acceptance
 
 DYNAMIC = {"num_nodes": 12, "topk": 3}
@@ -92,7 +92,7 @@ def _kv_checked_step(reference, checked: list[int]):
     """speculative_step, followed by a check that every unfinished row's cached K/V equal what a
     plain forward of `reference` (a copy of the target outside generate) over its accepted tokens
     computes, read from the pool through the row's block table."""
-    step = decoding.speculative_step
+    step = engine.speculative_step
 
     def checked_step(model, state, proposer, cache, *args, **kwargs):
         emitted = step(model, state, proposer, cache, *args, **kwargs)
@@ -118,7 +118,7 @@ def test_cache_after_tree_steps_equals_plain_decoding(monkeypatch):
     model.requires_grad_(False)
     head = train_head(model, "eagle3", steps=150)
     checked: list[int] = []
-    monkeypatch.setattr(decoding, "speculative_step", _kv_checked_step(copy.deepcopy(model), checked))
+    monkeypatch.setattr(engine, "speculative_step", _kv_checked_step(copy.deepcopy(model), checked))
     inputs = left_padded_batch(_random_prompts(3, seed=2, lengths=(6, 10)))
     out = model.generate(
         **inputs, max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
@@ -201,7 +201,7 @@ def test_eos_on_a_side_branch_does_not_stop_the_row(enabled_llama, monkeypatch):
     eos = int(plain_full[0, -5])  # row 0 emits it late; the side branches offer it at every step
     plain = plain_generate(enabled_llama, **inputs, max_new_tokens=30, do_sample=False, eos_token_id=eos)
     offered = []
-    build = decoding.build_proposer
+    build = engine.build_proposer
 
     class EosBranch:
         def __init__(self, inner):
@@ -219,7 +219,7 @@ def test_eos_on_a_side_branch_does_not_stop_the_row(enabled_llama, monkeypatch):
         def release(self, rows, token_ids=None):
             self.inner.release(rows, token_ids)
 
-    monkeypatch.setattr(decoding, "build_proposer", lambda *a, **k: EosBranch(build(*a, **k)))
+    monkeypatch.setattr(engine, "build_proposer", lambda *a, **k: EosBranch(build(*a, **k)))
     out = enabled_llama.generate(
         **inputs, max_new_tokens=30, do_sample=False, eos_token_id=eos, return_dict_in_generate=True,
         speculative_config={"method": "ngram", "num_speculative_tokens": 4, "tree": {"num_nodes": 6, "topk": 2}},

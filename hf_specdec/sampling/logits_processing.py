@@ -109,7 +109,8 @@ def process_logits(
     """Processed scores for each row of `logits`; row i's prefix is `token_buffer[buffer_rows[i], :prefix_lens[i]]`."""
     scores = logits
     for processor in logits_processor:
-        if isinstance(processor, SpeculativeGrammar):  # walks each row's drafts through its matcher
+        # a grammar walks each row's drafts through its matcher; per-request processors dispatch by row
+        if isinstance(processor, (SpeculativeGrammar, RowLogitsProcessors)):
             scores = processor.process(scores, token_buffer, buffer_rows, prefix_lens)
             continue
         if isinstance(processor, _POSITION_FREE):
@@ -151,12 +152,18 @@ class StopChecker:
                 self.other.append(criterion)
 
     def first_stop(
-        self, token_buffer: torch.Tensor, rows: np.ndarray, start_lens: np.ndarray, num_emitted: np.ndarray
+        self,
+        token_buffer: torch.Tensor,
+        rows: np.ndarray,
+        start_lens: np.ndarray,
+        num_emitted: np.ndarray,
+        max_lengths: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Tokens to keep per row: the emitted count, or up to and including the first stop.
 
         Row `rows[i]` emitted `num_emitted[i]` tokens, already written in `token_buffer` from
-        column `start_lens[i]` on. Returns `(keep, stopped)`.
+        column `start_lens[i]` on; it also stops on reaching `max_lengths[i]` columns (each engine
+        request has its own). Returns `(keep, stopped)`.
         """
         max_emitted = int(num_emitted.max())
         offsets = np.arange(max_emitted)
@@ -165,6 +172,8 @@ class StopChecker:
         stop = np.zeros_like(emitted)
         if self.max_length is not None:
             stop |= prefix_lens >= self.max_length
+        if max_lengths is not None:
+            stop |= prefix_lens >= np.asarray(max_lengths)[:, None]
         if self.eos_token_ids is not None:
             columns = torch.from_numpy(np.minimum(prefix_lens - 1, token_buffer.shape[1] - 1))
             tokens = token_buffer[torch.from_numpy(rows)[:, None], columns]
@@ -184,4 +193,64 @@ class StopChecker:
         stop &= emitted
         stopped = stop.any(axis=1)
         keep = np.where(stopped, stop.argmax(axis=1) + 1, num_emitted)
+        return keep, stopped
+
+
+class RowLogitsProcessors:
+    """Each row's own processors: the engine's requests bring theirs (temperature, top-p, penalties).
+
+    Inside a `LogitsProcessorList` it gets, from `process_logits`, every position with its row and
+    prefix; each row's positions go through that row's processors alone, as batch row 0 (a
+    processor holding per-batch-row values, the repetition penalty's prompt lengths, was built for
+    its request alone).
+    """
+
+    def __init__(self):
+        self.by_row: dict[int, LogitsProcessorList] = {}
+
+    def any_for(self, rows: np.ndarray) -> bool:
+        return any(self.by_row.get(int(row)) for row in rows)
+
+    def process(
+        self, scores: torch.Tensor, token_buffer: torch.Tensor, buffer_rows: np.ndarray, prefix_lens: np.ndarray
+    ) -> torch.Tensor:
+        processed = scores
+        for row in np.unique(buffer_rows):
+            processors = self.by_row.get(int(row))
+            if not processors:
+                continue
+            if processed is scores:
+                processed = scores.clone()
+            positions = np.flatnonzero(buffer_rows == row)
+            (index,) = to_device([positions], scores.device)
+            processed[index] = process_logits(
+                processors, scores[index], token_buffer[int(row) : int(row) + 1],
+                np.zeros(len(positions), dtype=np.int64), prefix_lens[positions],
+            )
+        return processed
+
+
+class RowStopCheckers:
+    """Each row's own `StopChecker` (an engine request's eos ids and stop strings); rows sharing one
+    checker are checked in one call."""
+
+    def __init__(self):
+        self.by_row: dict[int, StopChecker] = {}
+
+    def first_stop(
+        self,
+        token_buffer: torch.Tensor,
+        rows: np.ndarray,
+        start_lens: np.ndarray,
+        num_emitted: np.ndarray,
+        max_lengths: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`StopChecker.first_stop`, each row with its own checker."""
+        keep, stopped = num_emitted.copy(), np.zeros(len(rows), dtype=bool)
+        checkers = [self.by_row[int(row)] for row in rows]
+        for checker in {id(c): c for c in checkers}.values():
+            at = np.array([i for i, c in enumerate(checkers) if c is checker])
+            keep[at], stopped[at] = checker.first_stop(
+                token_buffer, rows[at], start_lens[at], num_emitted[at], None if max_lengths is None else max_lengths[at]
+            )
         return keep, stopped

@@ -1,0 +1,510 @@
+"""`SpeculativeEngine`: requests join and leave a running batch; every step is `speculative_step`.
+
+    engine = SpeculativeEngine(model, {"method": "ngram", "num_speculative_tokens": 4}, max_batch_size=16)
+    request_id = engine.add_request(prompt_ids, {"max_new_tokens": 128, "do_sample": True, "temperature": 0.7}, seed=1)
+    while engine.has_unfinished():
+        for output in engine.step():
+            print(output.request_id, output.new_token_ids, output.finish_reason)
+
+Each request owns a row of the batch (a slot). It joins at a step boundary: its whole prompt is
+just its pending tokens, so its prefill rides in the next verify forward next to the other rows'
+drafts, as the first step of `generate()` treats every prompt. Rows that finish or are aborted
+free their KV blocks and drafter state at once, and the slot takes the next waiting request.
+
+Admission reserves the KV blocks a request can ever hold (prompt + max_new_tokens, plus a tree's
+slots): a request waits until the pool has them, and a running row can never find the pool empty,
+so nothing is preempted or recomputed. Each request brings its own generation config: logits
+processors and stopping criteria are transformers' own (`_get_logits_processor`,
+`_get_stopping_criteria`, what plain `generate()` builds), its own seed and max tokens.
+
+Drafts are deterministic here (the drafters' argmax; n-gram and suffix drafts are anyway): a
+sampled request verifies them against its own processed distribution, which is exact for any
+temperature (a one-hot draft distribution in the rejection sampler). `generate()` runs the same
+engine on its fixed batch (`for_batch`), with the batch's processors, and its drafters sample.
+
+While rows run, the model's attention is switched to the paged cache and its CPU linears take the
+measured routes (as inside `generate()`); both are restored whenever the engine is idle. Not
+thread-safe: drive one engine from one thread (the server's background loop does).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation import stopping_criteria as hf_stopping
+
+from ..cache.architectures import check_architecture
+from ..cache.paged_attention import use_paged_attention
+from ..cache.paged_cache import PagedKVCache
+from ..config import SpeculativeConfig
+from ..drafters import build_proposer
+from ..models.cpu_linear import fast_cpu_linears, resolve_backend
+from ..models.feature_capture import TargetFeatureCapture, capture_for_proposer
+from ..sampling.grammar import SpeculativeGrammar
+from ..sampling.logits_processing import (
+    RowLogitsProcessors,
+    RowStopCheckers,
+    StopChecker,
+    check_supported_processors,
+)
+from .auto_k import controller_for
+from .auto_tree import AutoTreeController
+from .metrics import SpecDecodeMetrics
+from .step import DecodeState, SamplingState, drafter_networks, speculative_step
+
+logger = logging.getLogger(__name__)
+
+# with speculative_config=None the engine decodes plainly through the same step: drafting is off at
+# every batch size (the step then drafts nothing: one token per row and step)
+NO_DRAFTS = {"method": "ngram", "num_speculative_tokens": 1, "disable_by_batch_size": 1}
+# max_model_len when not given: the model's own limit, at most this (it sizes the token buffer)
+DEFAULT_MAX_MODEL_LEN = 4096
+# num_kv_blocks when not given: room for every row to hold this many tokens (longer requests wait
+# for blocks that shorter ones leave free); ~1.5 GB of fp32 K/V for SmolLM2-135M at 16 rows
+DEFAULT_TOKENS_PER_ROW = 2048
+# generate()'s assisted-generation options: they would run transformers' own speculation instead
+ASSISTED_OPTIONS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+
+
+@dataclass
+class RequestOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_token_ids: list[int]  # emitted in this step
+    token_ids: list[int]  # every token emitted so far (the prompt excluded)
+    prompt_len: int
+    finished: bool
+    finish_reason: str | None = None  # "stop" (eos, stop string), "length" (max_new_tokens), "error"
+    error: str | None = None  # with finish_reason "error": what went wrong
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: np.ndarray
+    max_length: int  # prompt + max_new_tokens
+    processors: LogitsProcessorList
+    stop_checker: StopChecker
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None  # None: greedy
+    num_blocks: int  # KV blocks reserved at admission
+    output: list[int] = field(default_factory=list)
+
+
+class SpeculativeEngine:
+    """Continuous batching around `speculative_step`: `add_request`, `step`, `abort` (see the module doc).
+
+    `speculative_config`: as for `generate()` (dict, JSON string, `SpeculativeConfig`); None decodes
+    without drafting. `max_batch_size`: rows decoded together (more requests wait). `max_model_len`:
+    the longest a request may get, prompt included (default: the model's limit, at most 4096).
+    `num_kv_blocks`: the target's KV pool, in blocks of `speculative_config.block_size` tokens
+    (default: 2048 tokens per row). `tokenizer`: needed for requests with `stop_strings`.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        speculative_config: SpeculativeConfig | dict | str | None = None,
+        *,
+        max_batch_size: int = 16,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        tokenizer=None,
+    ):
+        config = SpeculativeConfig.from_any(NO_DRAFTS if speculative_config is None else speculative_config)
+        for name, value in (("max_batch_size", max_batch_size), ("max_model_len", max_model_len), ("num_kv_blocks", num_kv_blocks)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"SpeculativeEngine: {name} must be a positive integer, got {value!r}")
+        if config.rejection_sample_method == "block":
+            raise ValueError(
+                "SpeculativeEngine: speculative_config.rejection_sample_method='block' is not supported by the engine "
+                "(its requests mix greedy and sampled rows); allowed: 'token'"
+            )
+        check_architecture(model)
+        limit = model_max_length(model)
+        max_model_len = max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+        if max_model_len > limit:
+            raise ValueError(f"SpeculativeEngine: max_model_len={max_model_len} exceeds the model's limit ({limit} positions)")
+        self.max_batch_size, self.max_model_len, self.tokenizer = max_batch_size, max_model_len, tokenizer
+        self._tree_slots = 0 if config.tree is None else config.tree.num_nodes
+        row_blocks = -(-(min(max_model_len, DEFAULT_TOKENS_PER_ROW) + 1 + self._tree_slots) // config.block_size)
+        num_blocks = num_kv_blocks or max_batch_size * row_blocks
+        # drafters with a KV pool of their own hold up to k tokens per row beyond the target's
+        draft_blocks = num_blocks + max_batch_size * -(-(config.max_draft_tokens + 2) // config.block_size)
+        pad = model.generation_config.pad_token_id
+        state = DecodeState(
+            token_buffer=torch.full((max_batch_size, max_model_len), 0 if pad is None else int(pad), dtype=torch.long),
+            pad_lens=np.zeros(max_batch_size, dtype=np.int64),
+            seq_lens=np.zeros(max_batch_size, dtype=np.int64),
+            num_cached=np.zeros(max_batch_size, dtype=np.int64),
+            finished=np.ones(max_batch_size, dtype=bool),  # a free slot is a finished row
+            max_lengths=np.zeros(max_batch_size, dtype=np.int64),
+            pad_token_id=0 if pad is None else int(pad),
+        )
+        sampling = SamplingState(
+            is_greedy=torch.ones(max_batch_size, dtype=torch.bool, device=model.device), generators=[None] * max_batch_size
+        )
+        self._row_processors, self._row_stops = RowLogitsProcessors(), RowStopCheckers()
+        self._setup(
+            model, config, state, sampling, num_blocks, self._row_stops, LogitsProcessorList(),
+            dataclasses.replace(config, num_kv_blocks=draft_blocks), GenerationConfig(do_sample=False),
+        )  # fmt: skip
+
+    @classmethod
+    def for_batch(
+        cls,
+        model: PreTrainedModel,
+        config: SpeculativeConfig,
+        state: DecodeState,
+        sampling: SamplingState,
+        logits_processor: LogitsProcessorList,
+        stop_checker: StopChecker,
+        generation_config: GenerationConfig,
+        num_blocks: int,
+    ) -> SpeculativeEngine:
+        """`generate()`'s engine: its rows (`state`) all run from the start and share transformers' processors
+        and stopping criteria for the batch; drafters sample as `generation_config` says."""
+        engine = cls.__new__(cls)
+        engine.max_batch_size, engine.max_model_len, engine.tokenizer = len(state.finished), state.token_buffer.shape[1], None
+        engine._row_processors = engine._row_stops = None
+        engine._setup(model, config, state, sampling, num_blocks, stop_checker, logits_processor, config, generation_config)
+        return engine
+
+    def _setup(
+        self, model, config, state, sampling, num_blocks, stop_checker, logits_processor, drafter_config,
+        draft_generation_config,
+    ) -> None:  # fmt: skip
+        self.model, self.config, self.state, self.sampling = model, config, state, sampling
+        self.stop_checker, self.logits_processor = stop_checker, logits_processor
+        self.cache = PagedKVCache.for_model(
+            model, num_blocks=num_blocks, block_size=config.block_size, max_rollback=config.max_draft_tokens
+        )
+        if config.tree is not None:
+            _check_tree_request(self.cache, logits_processor)
+        self.proposer = build_proposer(drafter_config, model, draft_generation_config, logits_processor, target_cache=self.cache)
+        self.metrics = SpecDecodeMetrics()
+        self.k_controller = controller_for(model, config, draft_generation_config.do_sample) if config.auto_k else None
+        self.tree_controller = (
+            AutoTreeController(config.tree.num_nodes) if config.tree is not None and config.tree.auto else None
+        )
+        # verify forwards carry k+1 tokens per row: see cpu_linear.py for why they skip torch's BLAS
+        networks = [model, *drafter_networks(self.proposer)]
+        backend = resolve_backend(config.cpu_linear_backend, networks)
+        self._fast_linears = None if backend == "torch" else (lambda: fast_cpu_linears(*networks, backend=backend))
+        self._held: contextlib.ExitStack | None = None  # what is switched on while rows run
+        self._decoding = False
+        self.features: TargetFeatureCapture | None = None
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: dict[int, _Request] = {}  # by row
+        self._reserved_blocks = 0
+        self._shared_stop_checkers: dict[frozenset[int], StopChecker] = {}
+
+    # --- requests ----------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        generation_config: GenerationConfig | dict | None = None,
+        *,
+        seed: int | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; it joins the batch at a step boundary. Returns its id.
+
+        `generation_config`: a transformers `GenerationConfig`, or a dict of its fields over the
+        model's own (`max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
+        `repetition_penalty`, `eos_token_id`, `stop_strings`, ...). `seed`: the sampled request's
+        own generator (None: a random seed). ValueError naming the field for bad input.
+        """
+        if self._row_processors is None:
+            raise RuntimeError("this engine runs generate()'s fixed batch; it takes no requests")
+        prompt = _prompt_array(prompt_ids, self.model.config.get_text_config().vocab_size)
+        config = self._request_config(generation_config)
+        if config.max_new_tokens is not None:
+            max_length = len(prompt) + config.max_new_tokens
+        elif config.max_length > len(prompt):
+            max_length = config.max_length
+        else:
+            raise ValueError(
+                f"generation_config: max_length={config.max_length} leaves no room after the prompt ({len(prompt)} "
+                "tokens); set max_new_tokens"
+            )
+        if max_length > self.max_model_len:
+            raise ValueError(
+                f"prompt_ids ({len(prompt)} tokens) + max_new_tokens ({max_length - len(prompt)}) = {max_length} exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        num_blocks = self.cache.blocks_for(max_length + 1 + self._tree_slots)
+        if num_blocks > self.cache.allocator.num_blocks:
+            raise ValueError(
+                f"the request may hold {max_length} tokens ({num_blocks} KV blocks) and the engine's pool has "
+                f"{self.cache.allocator.num_blocks} blocks: lower max_new_tokens or raise num_kv_blocks"
+            )
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or any(r.request_id == request_id for r in self._requests()):
+            raise ValueError(f"request_id={request_id!r} must be a string not already in use")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        generator = None
+        if config.do_sample:
+            seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+            generator = torch.Generator(device=self.model.device).manual_seed(seed)
+        config.max_length = max_length  # what plain generate() derives from max_new_tokens
+        processors = self.model._get_logits_processor(
+            generation_config=config, input_ids_seq_length=len(prompt), encoder_input_ids=torch.from_numpy(prompt)[None],
+            logits_processor=LogitsProcessorList(), device=self.model.device, model_kwargs={},
+        )  # fmt: skip
+        check_supported_processors(processors)
+        criteria = self.model._get_stopping_criteria(config, StoppingCriteriaList(), tokenizer=self.tokenizer)
+        eos = config._eos_token_tensor
+        eos_token_ids = frozenset() if eos is None else frozenset(int(t) for t in eos.flatten().tolist())
+        self._waiting.append(
+            _Request(
+                request_id, prompt, max_length, processors, self._stop_checker_for(criteria, eos_token_ids),
+                eos_token_ids, generator, num_blocks,
+            )
+        )  # fmt: skip
+        return request_id
+
+    def _request_config(self, given: GenerationConfig | dict | None) -> GenerationConfig:
+        if not (given is None or isinstance(given, (GenerationConfig, dict))):
+            raise ValueError(f"generation_config must be a GenerationConfig, a dict or None, got {type(given).__name__}")
+        # what plain generate() does: the given values over the model's generation config over the defaults
+        config, unknown = self.model._prepare_generation_config(
+            given if isinstance(given, GenerationConfig) else None, **(given if isinstance(given, dict) else {})
+        )
+        if unknown:
+            raise ValueError(f"generation_config: unknown fields {sorted(unknown)} (see transformers' GenerationConfig)")
+        config.validate()
+        if config.num_beams != 1:
+            raise ValueError(f"generation_config.num_beams={config.num_beams} is not supported; allowed: 1")
+        if config.num_return_sequences != 1:
+            raise ValueError(f"generation_config.num_return_sequences={config.num_return_sequences}; allowed: 1")
+        for option in ASSISTED_OPTIONS:
+            if getattr(config, option, None):
+                raise ValueError(f"generation_config.{option} is transformers' own assisted generation; not with the engine")
+        self.model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=self.model.device)
+        return config
+
+    def _stop_checker_for(self, criteria: StoppingCriteriaList, eos_token_ids: frozenset[int]) -> StopChecker:
+        """The request's stop checker; requests that stop only on the same eos ids share one (checked in one
+        call). The max length is each row's own (`DecodeState.max_lengths`)."""
+        kept = StoppingCriteriaList(c for c in criteria if not isinstance(c, hf_stopping.MaxLengthCriteria))
+        checker = StopChecker(kept)
+        if checker.other:  # stop strings and the like: the request's own
+            return checker
+        return self._shared_stop_checkers.setdefault(eos_token_ids, checker)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a waiting or running request (its row and blocks are free at once); False if unknown."""
+        for request in self._waiting:
+            if request.request_id == request_id:
+                self._waiting.remove(request)
+                return True
+        row = next((row for row, request in self._running.items() if request.request_id == request_id), None)
+        if row is None:
+            return False
+        self._stop_row(row)
+        self._free_slot(row)
+        if not self._running:
+            self._release_model()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting) or not self.state.finished.all()
+
+    @property
+    def num_running(self) -> int:
+        return int((~self.state.finished).sum())
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def _requests(self):
+        yield from self._waiting
+        yield from self._running.values()
+
+    # --- steps ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests, run one speculative step; an output per request that emitted or finished.
+
+        If the step raises, every running request ends with finish_reason "error" (the waiting ones stay).
+        """
+        admitted = self._admit()
+        if not self._running:
+            self._release_model()
+            return []
+        if admitted and self.k_controller is not None:
+            self.k_controller.begin_call()  # a step that feeds prompts says nothing about decoding speed
+        started = time.perf_counter()
+        try:
+            emitted = self.decode_step()
+        except Exception as error:  # one step's failure ends its requests, not the engine
+            logger.exception("speculative step failed; ending the %d running request(s)", len(self._running))
+            return self._fail_running(error)
+        self.metrics.total_seconds += time.perf_counter() - started
+        outputs = []
+        for row, tokens, _, _ in emitted:
+            request = self._running[row]
+            new = tokens.tolist()
+            request.output.extend(new)
+            finished = bool(self.state.finished[row])
+            outputs.append(RequestOutput(
+                request.request_id, new, list(request.output), len(request.prompt), finished,
+                self._finish_reason(request, row) if finished else None,
+            ))  # fmt: skip
+            if finished:  # the step freed its cache row and drafter state
+                self._free_slot(row)
+        if not self._running:
+            self._release_model()
+        return outputs
+
+    def decode_step(self, keep_logits: bool = False) -> list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """One `speculative_step` over the running rows: per row, (row, emitted tokens, raw, processed logits)."""
+        self._hold_model()
+        if self._row_processors is None:
+            processors = self.logits_processor
+        elif self._row_processors.any_for(self.state.active_rows()):
+            processors = LogitsProcessorList([self._row_processors])
+        else:
+            processors = LogitsProcessorList()
+        with torch.no_grad():
+            return speculative_step(
+                self.model, self.state, self.proposer, self.cache, self.config, processors, self.stop_checker,
+                self.sampling, self.metrics, self.features, k_controller=self.k_controller,
+                tree_controller=self.tree_controller, keep_logits=keep_logits,
+            )  # fmt: skip
+
+    def _admit(self) -> bool:
+        """Start waiting requests, first come first served, while a row and their blocks are free."""
+        admitted = False
+        free_rows = [row for row in range(self.max_batch_size) if row not in self._running]
+        while self._waiting and free_rows:
+            request = self._waiting[0]
+            if self._reserved_blocks + request.num_blocks > self.cache.allocator.num_blocks:
+                break  # it waits for blocks that running requests will free
+            self._waiting.popleft()
+            row = free_rows.pop(0)
+            state, length = self.state, len(request.prompt)
+            state.token_buffer[row].fill_(state.pad_token_id)
+            state.token_buffer[row, :length] = torch.from_numpy(request.prompt)
+            state.pad_lens[row], state.seq_lens[row], state.num_cached[row] = 0, length, 0
+            state.max_lengths[row], state.finished[row] = request.max_length, False
+            self.sampling.is_greedy[row] = request.generator is None
+            self.sampling.generators[row] = request.generator
+            self._row_processors.by_row[row] = request.processors
+            self._row_stops.by_row[row] = request.stop_checker
+            self._running[row] = request
+            self._reserved_blocks += request.num_blocks
+            admitted = True
+        return admitted
+
+    def _finish_reason(self, request: _Request, row: int) -> str:
+        tokens = self.state.tokens(row)
+        if int(tokens[-1]) in request.eos_token_ids or len(tokens) < request.max_length:
+            return "stop"  # eos, or a stop string before the length limit
+        ended_by_stop_string = any(
+            bool(criterion(torch.from_numpy(tokens)[None], None).any()) for criterion in request.stop_checker.other
+        )
+        return "stop" if ended_by_stop_string else "length"
+
+    def _stop_row(self, row: int) -> None:
+        """What the step does for a row that finished: free its blocks and the drafter's state."""
+        self.state.finished[row] = True
+        self.cache.free_row(row)
+        self.proposer.release([row], [self.state.tokens(row)])
+        if self.features is not None:
+            self.features.drop(row)
+
+    def _free_slot(self, row: int) -> None:
+        request = self._running.pop(row)
+        self._reserved_blocks -= request.num_blocks
+        self._row_processors.by_row.pop(row, None)
+        self._row_stops.by_row.pop(row, None)
+        self.sampling.generators[row] = None
+
+    def _fail_running(self, error: Exception) -> list[RequestOutput]:
+        outputs = []
+        for row, request in list(self._running.items()):
+            with contextlib.suppress(Exception):  # the failed step may have left the drafter half-updated
+                self._stop_row(row)
+            self.state.finished[row] = True
+            self.cache.free_row(row)
+            self._free_slot(row)
+            outputs.append(RequestOutput(
+                request.request_id, [], list(request.output), len(request.prompt), True, "error",
+                f"{type(error).__name__}: {error}",
+            ))  # fmt: skip
+        self._release_model()
+        return outputs
+
+    # --- the model, switched while rows run -------------------------------------------------------------
+    def hold_capture(self) -> TargetFeatureCapture | None:
+        """Hooks capturing the target's hidden states for drafters that read them (None for others)."""
+        if self._held is None:
+            self._held = contextlib.ExitStack()
+            self.features = self._held.enter_context(capture_for_proposer(self.model, self.proposer))
+        return self.features
+
+    def _hold_model(self) -> None:
+        """Paged attention and the CPU linears' routes on, kept on across steps (switching them costs
+        ~1% of a step) until the engine is idle."""
+        self.hold_capture()
+        if not self._decoding:
+            self._held.enter_context(use_paged_attention(self.model))
+            if self._fast_linears is not None:
+                self._held.enter_context(self._fast_linears())
+            self._decoding = True
+
+    def _release_model(self) -> None:
+        if self._held is not None:
+            self._held.close()
+        self._held, self.features, self._decoding = None, None, False
+
+    def close(self) -> None:
+        """Abort every request and give the model back as it was."""
+        for request in list(self._requests()):
+            self.abort(request.request_id)
+        self._release_model()
+
+
+def model_max_length(model: PreTrainedModel) -> int:
+    """The most positions the model takes (its config's max_position_embeddings; 2**20 when it has none)."""
+    config = model.config.get_text_config()
+    return int(getattr(config, "max_position_embeddings", None) or 2**20)
+
+
+def _prompt_array(prompt_ids, vocab_size: int) -> np.ndarray:
+    prompt = np.asarray(prompt_ids.cpu() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)
+    if prompt.ndim != 1 or len(prompt) == 0 or not np.issubdtype(prompt.dtype, np.integer):
+        raise ValueError(f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape {prompt.shape} ({prompt.dtype})")
+    if prompt.min() < 0 or prompt.max() >= vocab_size:
+        raise ValueError(f"prompt_ids must be token ids in [0, {vocab_size}), got {int(prompt.min())}..{int(prompt.max())}")
+    return prompt.astype(np.int64)
+
+
+def _check_tree_request(cache: PagedKVCache, logits_processor: LogitsProcessorList) -> None:
+    if cache.one_row_per_forward:
+        raise ValueError(
+            "speculative_config.tree is not supported on models with recurrent layers: their state follows one "
+            "path, a tree has many"
+        )
+    if any(isinstance(p, SpeculativeGrammar) for p in logits_processor):
+        raise ValueError("speculative_config.tree cannot be combined with structured output (xgrammar) yet")
+    if any(kind in ("sliding", "chunked") for kind, _ in cache.layer_kinds or ()):
+        raise ValueError(
+            "speculative_config.tree is not supported on models with sliding-window or chunked attention layers yet "
+            "(a window over a tree's slots is not defined)"
+        )

@@ -1,0 +1,260 @@
+"""One speculative step over every running row: the loop that `generate()` and the engine share.
+
+1. draft: the proposer gives each active row up to k tokens (ragged, possibly none); k is the
+   config's, or with num_speculative_tokens="auto" chosen per step (`auto_k.py`);
+2. verify: one target forward over every row's pending token(s) and drafts, packed varlen into
+   the paged KV cache (a row that just joined has its whole prompt pending: its prefill rides along);
+3. sample: logits processors at every verify position, then rejection sampling;
+4. emit: append accepted drafts + the bonus / recovered token, apply stopping criteria per
+   token, roll the cache back to the accepted length, release finished rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import LogitsProcessorList, PreTrainedModel
+
+from ..cache.forward import forward_tokens
+from ..cache.paged_cache import PagedKVCache
+from ..config import SpeculativeConfig
+from ..drafters import Proposer, ProposeRequest
+from ..models.feature_capture import TargetFeatureCapture
+from ..profiling import StepTimer
+from ..sampling.grammar import cut_forbidden_drafts
+from ..sampling.logits_processing import StopChecker, accept_emitted, process_logits
+from ..sampling.metadata import SpecDecodeMetadata
+from ..sampling.rejection_sampler import draw_random, rejection_sample
+from ..sampling.tree import tree_depths
+from ..sampling.tree_acceptance import accept_tree
+from ..transfer import to_device
+from .auto_k import AutoKController
+from .auto_tree import AutoTreeController
+from .metrics import SpecDecodeMetrics
+from .tree_verify import tree_layout, tree_prefixes
+
+
+@dataclass
+class DecodeState:
+    """Every row's tokens and how far each has got.
+
+    `token_buffer` holds rows exactly as plain generate's `input_ids` would: left padding,
+    prompt, generated tokens (then pad). Columns past a row's `seq_lens` are scratch space where
+    drafts are written during verification. A row of the engine is a request's slot: no padding,
+    and `finished` while the slot is free.
+    """
+
+    token_buffer: torch.Tensor  # [rows, width]
+    pad_lens: np.ndarray  # left padding per row
+    seq_lens: np.ndarray  # columns in use per row (padding included)
+    num_cached: np.ndarray  # tokens per row whose K/V the cache holds
+    finished: np.ndarray  # bool per row
+    max_lengths: np.ndarray  # per row, the column count (padding included) at which it stops (<= width)
+    pad_token_id: int
+
+    def active_rows(self) -> np.ndarray:
+        return np.flatnonzero(~self.finished)
+
+    def tokens(self, row: int) -> np.ndarray:
+        return self.token_buffer[row, self.pad_lens[row] : self.seq_lens[row]].numpy()
+
+    def pending_tokens(self, row: int) -> torch.Tensor:
+        """Tokens of the row not yet in the cache: the whole prompt at first, then the last token."""
+        return self.token_buffer[row, self.pad_lens[row] + self.num_cached[row] : self.seq_lens[row]]
+
+
+@dataclass
+class SamplingState:
+    is_greedy: torch.Tensor  # [batch] bool
+    generators: list[torch.Generator | None]  # one per batch row, None for greedy rows
+
+
+def speculative_step(
+    model: PreTrainedModel,
+    state: DecodeState,
+    proposer: Proposer,
+    cache: PagedKVCache,
+    config: SpeculativeConfig,
+    logits_processor: LogitsProcessorList,
+    stop_checker: StopChecker,
+    sampling: SamplingState,
+    metrics: SpecDecodeMetrics,
+    features: TargetFeatureCapture | None = None,
+    k_controller: AutoKController | None = None,
+    tree_controller: AutoTreeController | None = None,
+    keep_logits: bool = False,
+) -> list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """One draft / verify / accept step over every active row.
+
+    `features` (drafters with `target_feature_layers`): hooks capturing the target's hidden states;
+    the accepted positions' ones wait in `features.pending` until the drafter takes them.
+    `k_controller` (num_speculative_tokens="auto"): picks this step's k and learns from its timing;
+    `tree_controller` (tree="auto"): the same for the tree's size.
+
+    Returns, per active row: (row, emitted tokens, their raw logits, their processed logits), the
+    logits only with `keep_logits` (else None).
+    """
+    rows = state.active_rows()
+    seq_lens = state.seq_lens[rows]
+
+    # 1. draft: k drafts, never more than the row may still emit, minus the token the target adds
+    timer = StepTimer(model.device)  # the parts' seconds for the metrics, and for a profile when one is active
+    k = config.max_draft_tokens if k_controller is None else k_controller.next_k(len(rows))
+    if config.disable_by_batch_size is not None and len(rows) >= config.disable_by_batch_size:
+        k = 0
+    max_lengths = state.max_lengths[rows]
+    max_draft = np.clip(np.minimum(k, max_lengths - seq_lens - 1), 0, None)
+    tree_size = None if tree_controller is None else tree_controller.next_size(len(rows))
+    proposal = proposer.propose(
+        ProposeRequest(
+            rows=rows.tolist(),
+            token_ids=[state.tokens(r) for r in rows],
+            max_draft_tokens=max_draft.tolist(),
+            target_features=None if features is None else features.pending,
+            max_tree_nodes=tree_size,
+        )
+    )
+    if proposal.draft_probs is None:  # a grammar-forbidden deterministic draft cannot pass: cut it here
+        proposal.draft_token_ids = cut_forbidden_drafts(logits_processor, rows, proposal.draft_token_ids)
+    trees = proposal.draft_parents  # None: every row's drafts are a chain
+    spec = SpecDecodeMetadata.from_drafts(proposal.draft_token_ids, device=model.device)
+    num_draft = np.array(spec.num_draft_tokens, dtype=np.int64)
+    metrics.draft_seconds += timer.lap("draft")
+
+    # 2. verify: pending tokens + drafts of every row, packed into one forward (one per row for hybrids);
+    # a tree's nodes sit at their depth's position and see only their ancestors (`tree_layout`)
+    pending = [state.pending_tokens(r) for r in rows]
+    num_pending = np.array([len(p) for p in pending], dtype=np.int64)
+    segments = [np.concatenate([p.numpy(), d]) for p, d in zip(pending, proposal.draft_token_ids)]
+    segment_lens = num_pending + num_draft
+    if trees is None:
+        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(state.num_cached[rows], segment_lens)])
+        tree_mask = None
+    else:
+        positions, tree_mask = tree_layout(state.num_cached[rows], num_pending, trees)
+    segment_ends = np.cumsum(segment_lens)
+    # logits of the last pending token and of every draft: num_draft + 1 per row
+    keep = np.concatenate([np.arange(end - n - 1, end) for end, n in zip(segment_ends, num_draft)])
+    if features is not None:
+        features.begin_forward()
+    input_ids, position_ids = to_device([np.concatenate(segments), positions], model.device)
+    logits = forward_tokens(
+        model, cache, rows.tolist(), segment_lens.tolist(), input_ids, position_ids, keep, tree_mask=tree_mask
+    ).float()
+    metrics.record_kv_usage(cache.num_blocks_used, cache.blocks_needed(state.num_cached[rows] + num_pending))
+    metrics.verify_seconds += timer.lap("verify")
+
+    # 3. sample: processors see, at each position, the prefix plain generate would have had
+    if not logits_processor:
+        processed = logits
+    elif trees is None:
+        for row, start, drafts in zip(rows, seq_lens, proposal.draft_token_ids):
+            state.token_buffer[row, start : start + len(drafts)] = torch.from_numpy(drafts)
+        logits_rows = np.repeat(rows, num_draft + 1)
+        prefix_lens = np.repeat(seq_lens, num_draft + 1) + _offsets_within(num_draft + 1)
+        processed = process_logits(logits_processor, logits, state.token_buffer, logits_rows, prefix_lens)
+    else:
+        processed = process_logits(logits_processor, logits, *tree_prefixes(state, rows, proposal.draft_token_ids, trees))
+    metrics.sampler_seconds += timer.lap("logits_processing")
+    generators = [sampling.generators[r] for r in rows]
+    draws = None if all(g is None for g in generators) else draw_random(generators, spec, logits.shape[-1], logits.device)
+    is_greedy = sampling.is_greedy[to_device([rows], model.device)[0]]
+    if trees is None:
+        output_tokens, num_accepted = rejection_sample(
+            spec, processed, is_greedy, draws=draws, draft_probs=proposal.draft_probs, method=config.rejection_sample_method
+        )
+        accepted_nodes = None
+    else:
+        output_tokens, num_accepted, accepted_nodes = accept_tree(spec, trees, processed, is_greedy, draws=draws)
+    metrics.sampler_seconds += timer.lap("sampling")
+
+    # 4. emit, stop, roll back; the step's one device-to-host transfer (a sync on GPUs)
+    results = [num_accepted[:, None].to(output_tokens.dtype), output_tokens]
+    if accepted_nodes is not None:
+        results.append(accepted_nodes.to(output_tokens.dtype))
+    results = torch.cat(results, dim=1).cpu()
+    num_accepted, output_tokens = results[:, 0].numpy(), results[:, 1 : 1 + output_tokens.shape[1]]
+    # per row, the drafts accepted, in order: a chain's first ones, or a tree's accepted path
+    paths = [np.arange(a) for a in num_accepted] if accepted_nodes is None else [
+        results[i, 1 + output_tokens.shape[1] :][: num_accepted[i]].numpy() for i in range(len(rows))
+    ]
+    for i, row in enumerate(rows):
+        state.token_buffer[row, seq_lens[i] : seq_lens[i] + num_accepted[i] + 1] = output_tokens[i, : num_accepted[i] + 1]
+    num_kept, stopped = stop_checker.first_stop(state.token_buffer, rows, seq_lens, num_accepted + 1, max_lengths)
+    metrics.record_step(
+        spec.num_draft_tokens, num_accepted.tolist(), k,
+        draft_depths=None if trees is None else [int(tree_depths(p).max(initial=0)) for p in trees],
+    )
+    metrics.num_emitted_tokens += int(num_kept.sum())
+
+    # the logits of each emitted token, when asked for: at the row's root, then at each accepted draft
+    # (consecutive for a chain), gathered for every row at once (at batch 8, k = 8 and a 152k
+    # vocabulary these two copies were 27 ms of a 2 s step on CPU, so never when nobody reads them)
+    raw_kept = processed_kept = None
+    if keep_logits:
+        first_logit = np.cumsum(num_draft + 1) - (num_draft + 1)
+        emitted_logits = np.concatenate(
+            [first + np.concatenate([[0], path + 1])[:kept] for first, path, kept in zip(first_logit, paths, num_kept)]
+        )
+        (emitted_index,) = to_device([emitted_logits], logits.device)
+        raw_kept, processed_kept = logits[emitted_index], processed[emitted_index]
+    emitted_start = np.cumsum(num_kept) - num_kept
+    emitted, moves = [], []
+    for i, row in enumerate(rows):
+        start, kept = int(seq_lens[i]), int(num_kept[i])
+        state.token_buffer[row, start + kept : start + num_draft[i] + 1] = state.pad_token_id
+        state.seq_lens[row] = start + kept
+        window = slice(int(emitted_start[i]), int(emitted_start[i]) + kept)
+        emitted.append((
+            int(row), output_tokens[i, :kept],
+            None if raw_kept is None else raw_kept[window], None if processed_kept is None else processed_kept[window],
+        ))  # fmt: skip
+        accept_emitted(logits_processor, int(row), output_tokens[i, :kept])
+        if stopped[i]:
+            state.finished[row] = True
+            cache.free_row(int(row))
+            if features is not None:
+                features.drop(int(row))
+        else:
+            first_draft = int(state.num_cached[row] + num_pending[i])
+            if trees is not None:  # the accepted path's K/V move into place after the pending tokens
+                moves.append((int(row), first_draft + paths[i], first_draft + np.arange(len(paths[i]))))
+            state.num_cached[row] = first_draft + num_accepted[i]
+            if features is not None:  # the pending token(s) and accepted drafts are context now
+                segment_start = int(segment_ends[i] - segment_lens[i])
+                features.keep_at(
+                    int(row), segment_start + np.concatenate([np.arange(num_pending[i]), num_pending[i] + paths[i]])
+                )
+    if moves:
+        cache.move_tokens(moves)
+    for i, row in enumerate(rows):
+        if not stopped[i]:
+            cache.rollback(int(row), int(state.num_cached[row]))
+    if stopped.any():
+        finished = rows[stopped].tolist()
+        proposer.release(finished, [state.tokens(r) for r in finished])
+    timer.lap("emit")
+    timer.finish(fed_prompt=bool(num_pending.max() > 1))
+    if tree_controller is not None and num_draft.any() and num_pending.max() == 1:  # a drafted step, no prefill
+        tree_controller.record_step(len(rows), tree_size, timer.elapsed(), int(num_kept.sum()))
+    if k_controller is not None:
+        k_controller.record_step(timer.elapsed(), k, spec.num_draft_tokens, num_accepted.tolist())
+    return emitted
+
+
+def drafter_networks(proposer) -> list[torch.nn.Module]:
+    """The modules a drafter runs, those of drafters it wraps (`NgramFirstProposer`) included."""
+    found = []
+    for part in vars(proposer).values():
+        if isinstance(part, torch.nn.Module):
+            found.append(part)
+        elif hasattr(part, "propose"):
+            found.extend(drafter_networks(part))
+    return found
+
+
+def _offsets_within(lengths: np.ndarray) -> np.ndarray:
+    """[0, 1, ..., n0-1, 0, 1, ..., n1-1, ...]"""
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)

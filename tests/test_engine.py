@@ -1,0 +1,277 @@
+"""SpeculativeEngine: requests that join a running batch get exactly what each gets alone.
+
+Greedy identity with plain generate() for requests added mid-flight (every kind of drafter), rows
+freed on finish and abort, admission that waits for KV blocks, per-request sampling (the exact
+distribution, seeds), stop reasons, bad input, and a failing step that ends only its requests.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    EOS_TOKEN_ID,
+    FIRST_WORD_ID,
+    VOCAB_SIZE,
+    build_small_vocab_llama,
+    build_tiny_llama,
+    ngram_config,
+    plain_generate,
+    repeated_span_prompts,
+)
+from test_draft_model import perturbed_copy
+from test_eagle import random_head
+from test_sampling_distribution import NEW_TOKENS, PROMPT, SETTINGS, chi_square_pvalue, exact_distribution
+
+import hf_specdec
+from hf_specdec import SpeculativeEngine
+from hf_specdec.cache.paged_attention import ATTENTION_NAME
+from hf_specdec.loop import engine as engine_module
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_llama()
+
+
+def _configs(model) -> dict:
+    return {
+        "none": None,
+        "ngram": ngram_config(k=4),
+        "draft_model": {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3},
+        "eagle3": {"method": "eagle3", "model": random_head(model, "eagle3"), "num_speculative_tokens": 2},
+        "layer_skip": {"method": "layer_skip", "early_exit_layer": 1, "num_speculative_tokens": 2},
+        "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+        "ngram_auto_k": ngram_config(k="auto"),
+    }
+
+
+def _alone(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = plain_generate(
+        model, input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _run(engine: SpeculativeEngine, arrivals: dict[int, list[tuple]], max_steps: int = 500) -> dict[str, list]:
+    """Step the engine; before step s add the requests `arrivals[s]` ((prompt, config) pairs). Returns
+    every request's outputs, in order."""
+    outputs: dict[str, list] = {}
+    for step in range(max_steps):
+        for prompt, config in arrivals.get(step, []):
+            outputs[engine.add_request(prompt, config)] = []
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+        if not engine.has_unfinished() and step >= max(arrivals):
+            return outputs
+    raise AssertionError("the engine did not finish")
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle3", "layer_skip", "suffix", "ngram_auto_k"])
+def test_requests_joining_mid_flight_match_plain_generate(model, method):
+    prompts = repeated_span_prompts(7, seed=3)
+    lengths = [12, 30, 7, 25, 18, 3, 22]
+    engine = SpeculativeEngine(model, _configs(model)[method], max_batch_size=4)
+    arrivals = {0: [], 2: [], 5: []}
+    for i, (prompt, length) in enumerate(zip(prompts, lengths)):
+        arrivals[(0, 2, 5)[i % 3]].append((prompt, {"max_new_tokens": length, "do_sample": False}))
+    outputs = _run(engine, arrivals)
+    expected = {tuple(p): _alone(model, p, n) for p, n in zip(prompts, lengths)}
+    assert len(outputs) == len(prompts)
+    for request_outputs, (prompt, _) in zip(outputs.values(), [a for s in sorted(arrivals) for a in arrivals[s]]):
+        final = request_outputs[-1]
+        assert final.finished and sum(not o.finished for o in request_outputs) == len(request_outputs) - 1
+        assert [t for o in request_outputs for t in o.new_token_ids] == final.token_ids
+        assert final.token_ids == expected[tuple(prompt)], method
+        assert final.finish_reason == ("stop" if final.token_ids[-1] == EOS_TOKEN_ID else "length")
+    assert engine.cache.num_blocks_used == 0
+    assert engine.num_running == 0 and engine.num_waiting == 0
+    if method not in ("none",):
+        assert engine.metrics.num_draft_tokens > 0
+    # idle: the model is handed back (its attention restored), plain generate works on it
+    assert model.config._attn_implementation != ATTENTION_NAME
+    assert _alone(model, prompts[0], 5) == expected[tuple(prompts[0])][:5]
+
+
+def test_aborts_free_every_block_and_drafter_row(model):
+    config = {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3}
+    engine = SpeculativeEngine(model, config, max_batch_size=4)
+    prompts = repeated_span_prompts(6, seed=5)
+    ids = [engine.add_request(p, {"max_new_tokens": 40}) for p in prompts]
+    engine.step()
+    engine.step()
+    assert engine.num_running == 4 and engine.num_waiting == 2
+    assert engine.abort(ids[1]) and engine.abort(ids[5])  # one running, one waiting
+    assert not engine.abort(ids[1]) and not engine.abort("unknown")
+    assert engine.num_running == 3 and engine.num_waiting == 1
+    finished = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            assert output.request_id not in (ids[1], ids[5])
+            if output.finished:
+                finished[output.request_id] = output.token_ids
+    assert sorted(finished) == sorted(ids[i] for i in (0, 2, 3, 4))
+    for i in (0, 2, 3, 4):
+        assert finished[ids[i]] == _alone(model, prompts[i], 40)
+    assert engine.cache.num_blocks_used == 0
+    assert engine.proposer.cache.num_blocks_used == 0
+
+
+def test_admission_waits_for_blocks(model):
+    """A pool for two requests at a time: the others queue (never an exhausted pool) and all finish exactly."""
+    prompts = repeated_span_prompts(5, seed=8)
+    needed = max(-(-(len(p) + 20 + 1) // 16) for p in prompts)
+    engine = SpeculativeEngine(model, ngram_config(k=4), max_batch_size=4, num_kv_blocks=2 * needed)
+    ids = [engine.add_request(p, {"max_new_tokens": 20, "do_sample": False}) for p in prompts]
+    most_running, finished = 0, {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.token_ids
+        most_running = max(most_running, engine.num_running)
+    assert most_running == 2
+    assert [finished[i] for i in ids] == [_alone(model, p, 20) for p in prompts]
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        engine.add_request(prompts[0], {"max_new_tokens": 2 * needed * 16})
+
+
+def test_two_hundred_requests_with_random_aborts(model):
+    rng = random.Random(0)
+    engine = SpeculativeEngine(model, ngram_config(k=3), max_batch_size=16, num_kv_blocks=40)
+    live, results, aborted = set(), {}, set()
+    submitted = 0
+    while submitted < 200 or engine.has_unfinished():
+        while submitted < 200 and engine.num_running + engine.num_waiting < 16:
+            prompt = [rng.randrange(FIRST_WORD_ID, VOCAB_SIZE) for _ in range(rng.randint(1, 12))]
+            config = {"max_new_tokens": rng.randint(1, 12), "do_sample": rng.random() < 0.5, "temperature": 0.8}
+            live.add(engine.add_request(prompt, config, seed=submitted))
+            submitted += 1
+        for output in engine.step():
+            assert output.request_id in live
+            if output.finished:
+                live.discard(output.request_id)
+                results[output.request_id] = output
+        if live and rng.random() < 0.2:
+            victim = rng.choice(sorted(live))
+            assert engine.abort(victim)
+            live.discard(victim)
+            aborted.add(victim)
+    assert not live
+    assert len(results) + len(aborted) == 200
+    assert all(o.finish_reason in ("stop", "length") for o in results.values())
+    assert engine.cache.num_blocks_used == 0 and engine._reserved_blocks == 0
+    assert engine.num_running == engine.num_waiting == 0
+
+
+def test_sampled_requests_follow_the_exact_distribution():
+    """Each request samples with its own processors and seed; the engine's drafts are greedy (one-hot q)."""
+    small = hf_specdec.enable(build_small_vocab_llama())
+    sampling = SETTINGS["temperature_topk_topp"]
+    exact = exact_distribution(small, sampling)
+    engine = SpeculativeEngine(small, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}, max_batch_size=64)
+    config = {"max_new_tokens": NEW_TOKENS, "do_sample": True, "pad_token_id": 0, **sampling}
+    samples = []
+    for seed in range(3000):
+        engine.add_request(PROMPT, config, seed=seed)
+    while engine.has_unfinished():
+        samples.extend(o.token_ids for o in engine.step() if o.finished)
+    assert engine.metrics.num_draft_tokens > 0
+    assert chi_square_pvalue(np.array(samples), exact) > 1e-3
+    # the same test fails for requests processed with another temperature: it has power
+    wrong = [
+        _finished(engine, PROMPT, {**config, "temperature": 0.6}, seed) for seed in range(3000, 4000)
+    ]
+    assert chi_square_pvalue(np.array(wrong), exact) < 1e-6
+
+
+def _finished(engine, prompt, config, seed) -> list[int]:
+    request_id = engine.add_request(prompt, config, seed=seed)
+    while True:
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                return output.token_ids
+
+
+def test_seeds_reproduce_whatever_else_runs(model):
+    sampled = {"max_new_tokens": 16, "do_sample": True, "temperature": 0.9, "top_k": 20}
+    prompts = repeated_span_prompts(4, seed=11)
+    alone = SpeculativeEngine(model, ngram_config(k=3), max_batch_size=1)
+    expected = _finished(alone, prompts[0], sampled, seed=7)
+    crowded = SpeculativeEngine(model, ngram_config(k=3), max_batch_size=4)
+    for prompt in prompts[1:]:
+        crowded.add_request(prompt, {**sampled, "temperature": 1.3}, seed=1)
+    assert _finished(crowded, prompts[0], sampled, seed=7) == expected
+    assert _finished(alone, prompts[0], sampled, seed=8) != expected
+
+
+def test_stop_strings_and_finish_reasons(model, word_tokenizer):
+    engine = SpeculativeEngine(model, ngram_config(k=3), max_batch_size=2, tokenizer=word_tokenizer)
+    prompt = repeated_span_prompts(1, seed=2)[0]
+    full = _alone(model, prompt, 12)
+    stop = word_tokenizer.decode(full[3:5])
+    output = _finished(engine, prompt, {"max_new_tokens": 12, "stop_strings": [stop]}, None)
+    assert output == full[:5]
+    request_id = engine.add_request(prompt, {"max_new_tokens": 4})
+    reasons = [o.finish_reason for _ in range(10) for o in engine.step() if o.request_id == request_id and o.finished]
+    assert reasons == ["length"]
+    no_tokenizer = SpeculativeEngine(model, ngram_config(k=3), max_batch_size=1)
+    with pytest.raises(ValueError, match="tokenizer"):
+        no_tokenizer.add_request(prompt, {"max_new_tokens": 4, "stop_strings": ["w5"]})
+
+
+@pytest.mark.parametrize(
+    ("prompt", "config", "message"),
+    [
+        ([], None, "prompt_ids must be a non-empty"),
+        ([[3, 4]], None, "prompt_ids must be a non-empty 1-D"),
+        ([3, VOCAB_SIZE], None, r"prompt_ids must be token ids in \[0, 128\)"),
+        ([3, 4], {"max_new_tokens": 0}, "max_new_tokens` must be greater than 0"),
+        ([3, 4], {"max_new_tokens": 600}, "exceeds max_model_len=512"),
+        ([3, 4], {"num_beams": 2}, "num_beams=2 is not supported"),
+        ([3, 4], {"not_a_field": 1}, r"unknown fields \['not_a_field'\]"),
+        ([3, 4], "greedy", "generation_config must be a GenerationConfig"),
+    ],
+)
+def test_bad_requests_are_refused(model, prompt, config, message):
+    engine = SpeculativeEngine(model, ngram_config(k=3), max_batch_size=1)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, config)
+    assert not engine.has_unfinished()
+
+
+def test_bad_engine_arguments(model):
+    with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
+        SpeculativeEngine(model, None, max_batch_size=0)
+    with pytest.raises(ValueError, match="exceeds the model's limit"):
+        SpeculativeEngine(model, None, max_model_len=10_000)
+    engine = SpeculativeEngine(model, None, max_batch_size=1)
+    engine.add_request([3, 4], request_id="a")
+    with pytest.raises(ValueError, match="request_id='a' must be a string not already in use"):
+        engine.add_request([3, 4], request_id="a")
+
+
+def test_a_failing_step_ends_its_requests_only(model, monkeypatch):
+    engine = SpeculativeEngine(model, ngram_config(k=3), max_batch_size=2)
+    prompts = repeated_span_prompts(3, seed=4)
+    first = [engine.add_request(p, {"max_new_tokens": 10}) for p in prompts[:2]]
+    waiting = engine.add_request(prompts[2], {"max_new_tokens": 10})
+    engine.step()
+    original = engine_module.speculative_step
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine_module, "speculative_step", failing)
+    failed = engine.step()
+    assert sorted(o.request_id for o in failed) == sorted(first)
+    assert all(o.finish_reason == "error" and "RuntimeError: boom" in o.error for o in failed)
+    assert engine.cache.num_blocks_used == 0 and engine.num_waiting == 1
+    monkeypatch.setattr(engine_module, "speculative_step", original)
+    outputs = []
+    while engine.has_unfinished():
+        outputs.extend(o for o in engine.step() if o.finished)
+    assert [o.request_id for o in outputs] == [waiting]
+    assert outputs[0].token_ids == _alone(model, prompts[2], 10)
