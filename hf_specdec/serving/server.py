@@ -1,0 +1,454 @@
+"""`hf-specdec serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over a `SpeculativeEngine`.
+
+    build_app(engine, tokenizer, model_name, api_key=None) -> FastAPI     # what the tests start
+    serve(model_path, speculative_config, host="127.0.0.1", port=8000, ...)  # what the CLI runs
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
+GET /health, GET /metrics (Prometheus). The engine runs on one background thread (engine_loop.py);
+a handler tokenizes the prompt, maps the request to a transformers `GenerationConfig`, queues the
+request and then reads its outputs: it decodes all the output tokens each time and sends only the
+new text that can no longer change (text ending in an incomplete UTF-8 character, or in what could
+be the start of a stop string, waits). A client that goes away aborts its request in the engine.
+
+Sampling defaults, for the fields a request leaves out: the model's own when its generation config
+samples (do_sample true), else OpenAI's (temperature 1, top_p 1, no top-k / min-p); temperature 0
+is greedy. max_tokens defaults to 16 for /v1/completions (as OpenAI) and for chat to the room left
+up to the engine's max_model_len, at most DEFAULT_CHAT_MAX_TOKENS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import secrets
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from ..cli import load_target
+from ..config import SpeculativeConfig
+from ..loop.engine import SpeculativeEngine
+from .engine_loop import EngineError, EngineLoop
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    error_body,
+    validation_error_body,
+)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_MAX_TOKENS = 1024  # chat without max_tokens: the room left in max_model_len, at most this
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # request -> GenerationConfig
+CLIENT_GONE = 499  # the status logged for a request whose client went away (nginx's; nobody receives it)
+DISCONNECT_POLL_SECONDS = 0.5  # how often a request waiting on the engine checks that its client is still there
+
+
+class APIError(Exception):
+    """Answered with OpenAI's error JSON and this status."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None,
+                 error_type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code, self.body = status_code, error_body(message, param, error_type, code)
+
+
+def build_app(
+    engine: SpeculativeEngine, tokenizer: PreTrainedTokenizerBase, model_name: str, api_key: str | None = None
+) -> FastAPI:
+    """The server's app over `engine` (a `SpeculativeEngine`, driven from its own thread while the app
+    runs); `api_key`: when given, every endpoint but /health needs `Authorization: Bearer <api_key>`."""
+    engine_loop = EngineLoop(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine_loop.start()
+        yield
+        engine_loop.stop()
+
+    app = FastAPI(title="hf-specdec", lifespan=lifespan)
+    app.state.engine_loop = engine_loop
+    registry = CollectorRegistry()  # per app: two apps in one process (the tests) must not share counters
+    registry.register(_EngineCollector(engine_loop))
+    counters = _RequestCounters(registry)
+    base_config = engine.model.generation_config
+    max_model_len = engine.max_model_len
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body, status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        chat = request.url.path.endswith("/chat/completions")
+        fields = list((ChatCompletionRequest if chat else CompletionRequest).model_fields)
+        return JSONResponse(validation_error_body(list(error.errors()), fields), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:  # 404, 405, ...
+        return JSONResponse(error_body(str(error.detail), None), status_code=error.status_code)
+
+    async def require_api_key(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if api_key is not None and not secrets.compare_digest(given, f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    api = APIRouter(dependencies=[Depends(require_api_key)])
+
+    @api.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "hf-specdec", "max_model_len": max_model_len}
+        ]}  # fmt: skip
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        if isinstance(body.prompt, str):
+            prompt_ids = tokenizer(body.prompt).input_ids
+        else:
+            _check_token_ids(body.prompt, len(tokenizer))
+            prompt_ids = body.prompt
+        max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        return await generate(request, body, prompt_ids, max_tokens, "prompt", chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        if tokenizer.chat_template is None:
+            raise APIError(400, f"the model {model_name!r} has no chat template: use /v1/completions", "messages")
+        messages = [message.model_dump() for message in body.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(text, add_special_tokens=False).input_ids  # the template has them
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(max_model_len - len(prompt_ids), DEFAULT_CHAT_MAX_TOKENS))
+        return await generate(request, body, prompt_ids, max_tokens, "messages", chat=True)
+
+    async def generate(request: Request, body: SamplingRequest, prompt_ids: list[int], max_tokens: int,
+                       prompt_field: str, chat: bool) -> Response:
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; allowed: {model_name!r}", "model",
+                           code="model_not_found")
+        _check_length(len(prompt_ids), max_tokens, max_model_len, prompt_field)
+        request_id = uuid.uuid4().hex
+        config = generation_config_for(body, max_tokens, base_config)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        reply = _Reply(request_id, model_name, chat, include_usage)
+        text = IncrementalText(tokenizer, body.stop)
+        outputs = _engine_outputs(request, engine_loop, request_id, prompt_ids, config, body.seed)
+
+        def count(finish_reason: str) -> None:
+            endpoint = "chat_completions" if chat else "completions"
+            counters.finished(endpoint, finish_reason, len(prompt_ids), text.completion_tokens)
+
+        try:  # a failure before the first token is an HTTP error, streamed or not
+            first = await anext(outputs, None)
+            if first is not None:
+                _raise_on_error(first)
+        except APIError:
+            count("error")
+            raise
+        if first is None:
+            count("abort")
+            return Response(status_code=CLIENT_GONE)
+        if body.stream:
+            return StreamingResponse(_events(first, outputs, text, reply, count), media_type="text/event-stream")
+        async with aclosing(outputs):
+            output = first
+            try:
+                while output is not None:
+                    _raise_on_error(output)
+                    text.advance(output)
+                    if text.finish_reason is not None:
+                        break
+                    output = await anext(outputs, None)
+            except APIError:
+                count("error")
+                raise
+        if text.finish_reason is None:
+            count("abort")
+            return Response(status_code=CLIENT_GONE)
+        count(text.finish_reason)
+        return JSONResponse(reply.whole(text.text, text.finish_reason, len(prompt_ids), text.completion_tokens))
+
+    app.include_router(api)
+    return app
+
+
+def generation_config_for(body: SamplingRequest, max_new_tokens: int, base: GenerationConfig) -> GenerationConfig:
+    """The request's `GenerationConfig`: the model's (`base`: eos ids, repetition penalty, ...) with the
+    request's fields on top; sampling fields left out take the model's values if `base` samples,
+    else OpenAI's (temperature 1, top_p 1, no top-k, no min-p)."""
+    fields = {} if base.do_sample else {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None}  # 0: no top-k
+    fields.update({name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None})
+    greedy = fields.get("temperature", base.temperature) == 0
+    if greedy:  # the sampling fields have no effect (the argmax survives top-k / top-p / min-p): unset
+        fields.update(temperature=None, top_p=None, top_k=None, min_p=None)
+    config = copy.deepcopy(base)
+    # one update: GenerationConfig.update validates (and warns about) what it is given
+    config.update(**fields, do_sample=not greedy, max_new_tokens=max_new_tokens, stop_strings=body.stop or None)
+    return config
+
+
+def _check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    bad = [token for token in token_ids if not 0 <= token < vocab_size]
+    if bad:
+        raise APIError(400, f"prompt has token ids {bad[:5]} outside the vocabulary; allowed: 0 to {vocab_size - 1}",
+                       "prompt")
+
+
+def _check_length(prompt_len: int, max_tokens: int, max_model_len: int, prompt_field: str) -> None:
+    if prompt_len == 0:
+        raise APIError(400, f"{prompt_field} tokenizes to no tokens; allowed: text of at least one token",
+                       prompt_field)
+    if prompt_len >= max_model_len:
+        raise APIError(400, f"the prompt is {prompt_len} tokens; allowed: at most {max_model_len - 1} "
+                       f"(max_model_len {max_model_len} holds the prompt and the completion)", prompt_field)
+    if prompt_len + max_tokens > max_model_len:
+        raise APIError(400, f"max_tokens={max_tokens} with a {prompt_len}-token prompt exceeds max_model_len "
+                       f"{max_model_len}; allowed: max_tokens <= {max_model_len - prompt_len}", "max_tokens")
+
+
+async def _engine_outputs(request: Request, engine_loop: EngineLoop, request_id: str, prompt_ids: list[int],
+                          config: GenerationConfig, seed: int | None) -> AsyncIterator[Any]:
+    """The request's `RequestOutput`s from the engine thread, until it finishes or the client goes away.
+    Closing this early (the client left, or a stop string ended the text) aborts the request."""
+    outputs = engine_loop.add(request_id, prompt_ids, config, seed)
+    finished = False
+    try:
+        while not finished:
+            try:
+                output = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_SECONDS)
+            except asyncio.TimeoutError:
+                output = None
+            if await request.is_disconnected():
+                return
+            if output is None:
+                continue
+            if isinstance(output, EngineError):
+                finished = True  # the engine holds nothing of it
+                raise APIError(output.status_code, output.message,
+                               error_type="invalid_request_error" if output.status_code == 400 else "server_error")
+            finished = output.finished
+            yield output
+    finally:
+        if not finished:
+            engine_loop.abort(request_id)
+
+
+def _raise_on_error(output: Any) -> None:
+    if output.finish_reason == "error":
+        raise APIError(500, f"the engine failed on this request: {output.error}", error_type="server_error")
+
+
+class IncrementalText:
+    """The completion's text as its tokens arrive. `advance(output)` decodes all the output tokens and
+    returns the text that is new and stable; the text ends before the first stop string (then
+    `finish_reason` is "stop", whatever the engine said)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: list[str]) -> None:
+        self.tokenizer, self.stop_strings = tokenizer, stop_strings
+        self.text = ""  # sent so far
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+
+    def advance(self, output: Any) -> str:
+        self.completion_tokens = len(output.token_ids)
+        text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        cuts = [index for index in (text.find(stop) for stop in self.stop_strings) if index >= 0]
+        if cuts:
+            text, self.finish_reason = text[: min(cuts)], "stop"
+        elif output.finished:
+            self.finish_reason = output.finish_reason
+        else:
+            text = text[: len(text) - self._unstable_tail(text)]
+        new = text[len(self.text) :]
+        self.text += new
+        return new
+
+    def _unstable_tail(self, text: str) -> int:
+        """How many characters at the end may still change: an incomplete UTF-8 character decodes to
+        U+FFFD, and the start of a stop string may become the whole of it."""
+        tail = len(text) - len(text.rstrip("\ufffd"))
+        for stop in self.stop_strings:
+            tail = max(tail, next((n for n in range(len(stop) - 1, 0, -1) if text.endswith(stop[:n])), 0))
+        return tail
+
+
+class _Reply:
+    """OpenAI's response JSON for one request: the whole of it, or its server-sent events."""
+
+    def __init__(self, request_id: str, model_name: str, chat: bool, include_usage: bool) -> None:
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.model_name, self.chat, self.include_usage = model_name, chat, include_usage
+        self.created = int(time.time())
+
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+        choice = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        choices = [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}]
+        return self._body(choices, streaming=False, usage=_usage(prompt_tokens, completion_tokens))
+
+    def chunk(self, text: str | None, finish_reason: str | None = None) -> str:
+        """One event; chat: `text` None is the first chunk (the assistant's role)."""
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+            choice = {"delta": delta}
+        else:
+            choice = {"text": text}
+        choices = [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}]
+        return _event(self._body(choices, streaming=True, **({"usage": None} if self.include_usage else {})))
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:
+        """The last event with stream_options.include_usage: no choices, the usage."""
+        return _event(self._body([], streaming=True, usage=_usage(prompt_tokens, completion_tokens)))
+
+    def _body(self, choices: list[dict], streaming: bool, **extra: Any) -> dict:
+        kind = ("chat.completion.chunk" if streaming else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name,
+                "choices": choices, **extra}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+async def _events(first: Any, outputs: AsyncIterator[Any], text: IncrementalText, reply: _Reply,
+                  on_finish: Callable[[str], None]) -> AsyncIterator[str]:
+    """The server-sent events of a streamed request, from its first output on; an engine failure is an
+    error event (the status, 200, has been sent). `on_finish(finish_reason)` at the end ("abort" when
+    the client went away)."""
+    finish_reason = "abort"
+    async with aclosing(outputs):
+        try:
+            if reply.chat:
+                yield reply.chunk(None)
+            output = first
+            while output is not None:
+                if output.finish_reason == "error":
+                    finish_reason = "error"
+                    yield _event(error_body(f"the engine failed on this request: {output.error}", None, "server_error"))
+                    yield DONE_EVENT
+                    return
+                new_text = text.advance(output)
+                if new_text or text.finish_reason is not None:
+                    yield reply.chunk(new_text, text.finish_reason)
+                if text.finish_reason is not None:
+                    finish_reason = text.finish_reason
+                    if reply.include_usage:
+                        yield reply.usage_chunk(output.prompt_len, text.completion_tokens)
+                    yield DONE_EVENT
+                    return
+                output = await anext(outputs, None)
+        finally:
+            on_finish(finish_reason)
+
+
+# engine.metrics fields exported as counters (cumulative) and gauges; docs/metrics.md says more
+ENGINE_COUNTERS = {
+    "num_target_forwards": "engine steps: one target forward each",
+    "num_row_steps": "(row, step) pairs, drafted or not",
+    "num_drafts": "(row, step) pairs that got at least one draft token",
+    "num_draft_tokens": "draft tokens proposed",
+    "num_accepted_tokens": "draft tokens accepted",
+    "num_rejected_drafts": "drafts in which a token was rejected",
+    "num_emitted_tokens": "tokens added to the outputs (accepted drafts + one per row-step)",
+    "draft_seconds": "seconds drafting",
+    "verify_seconds": "seconds in target forwards",
+    "sampler_seconds": "seconds in logits processors and rejection sampling",
+    "total_seconds": "seconds in engine steps",
+}
+ENGINE_GAUGES = {
+    "mean_acceptance_length": "tau = 1 + accepted / drafts: tokens a drafted step yields on average",
+    "draft_acceptance_rate": "accepted / proposed draft tokens",
+    "conditional_acceptance_rate": "alpha: accepted / (accepted + rejections)",
+    "mean_k_chosen": "drafts per row the steps asked for, on average",
+    "kv_peak_blocks_used": "the most KV blocks in use at once",
+}
+
+
+class _EngineCollector:
+    """Prometheus collector reading the engine thread's latest snapshot at each scrape."""
+
+    def __init__(self, engine_loop: EngineLoop) -> None:
+        self.engine_loop = engine_loop
+
+    def collect(self):
+        stats = self.engine_loop.stats
+        for name, documentation in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(f"spec_decode_{name}", documentation, value=stats.metrics[name])
+        per_position = CounterMetricFamily(
+            "spec_decode_num_accepted_tokens_per_pos", "drafts whose first position+1 tokens were accepted",
+            labels=["position"],
+        )
+        for position, count in enumerate(stats.metrics["num_accepted_tokens_per_pos"]):
+            per_position.add_metric([str(position)], count)
+        yield per_position
+        for name, documentation in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(f"spec_decode_{name}", documentation, value=stats.metrics[name])
+        yield GaugeMetricFamily("spec_decode_num_requests_running", "requests being decoded", value=stats.num_running)
+        yield GaugeMetricFamily("spec_decode_num_requests_waiting", "requests queued for a row", value=stats.num_waiting)
+
+
+class _RequestCounters:
+    """Generation requests that reached the engine, by endpoint and how they ended, and their tokens."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "spec_decode_requests", "generation requests by endpoint and finish reason (stop, length, error, abort: "
+            "the client went away)", ["endpoint", "finish_reason"], registry=registry,
+        )  # fmt: skip
+        self.prompt_tokens = Counter("spec_decode_prompt_tokens", "prompt tokens of those requests", registry=registry)
+        self.completion_tokens = Counter(
+            "spec_decode_completion_tokens", "tokens those requests generated", registry=registry
+        )
+
+    def finished(self, endpoint: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.requests.labels(endpoint, finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+
+
+def serve(model_path: str, speculative_config: SpeculativeConfig | dict | str | None, host: str = "127.0.0.1",
+          port: int = 8000, api_key: str | None = None, max_batch_size: int = 16, max_model_len: int | None = None,
+          dtype: torch.dtype | str = "auto", device: str = "cpu") -> None:
+    """Loads the model (a folder, a Hub id, or 'smollm2' / 'gemma3' from PyPI, as `hf-specdec bench`)
+    and serves it until interrupted. Without `api_key` on a host other than localhost, warns: anyone who
+    can reach the port can use the model."""
+    if host not in LOCAL_HOSTS and api_key is None:
+        print(f"warning: serving on {host}:{port} without an API key: anyone who can reach it can use the model "
+              "(give --api-key or set HF_SPECDEC_API_KEY)", file=sys.stderr)
+    model, tokenizer = load_target(model_path, dtype, device)
+    engine = SpeculativeEngine(model, speculative_config, max_batch_size=max_batch_size, max_model_len=max_model_len,
+                               tokenizer=tokenizer)
+    uvicorn.run(build_app(engine, tokenizer, model_path, api_key), host=host, port=port)
