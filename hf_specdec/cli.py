@@ -2,6 +2,8 @@
 
     hf-specdec bench --model <folder|Hub id|smollm2> --method ngram --prompts mt-bench --num-prompts 20 \\
         --batch-size 1 --k auto --out results.json --png speedup.png
+    hf-specdec serve --model <folder|Hub id|smollm2> --speculative-config '{"method": "ngram"}' --port 8000
+    hf-specdec plan-linears --model smollm2
 """
 
 from __future__ import annotations
@@ -10,14 +12,10 @@ import argparse
 import json
 import os
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 
 from .config import AUTO, CPU_LINEAR_BACKENDS, METHODS
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -354,7 +352,11 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--temperature={args.temperature}: allowed: a number > 0 (leave it out for greedy)")
     if args.verify_repeats < 0:
         raise ValueError(f"--verify-repeats={args.verify_repeats}: allowed: an integer >= 0")
+    from .loop.integration import enable
+    from .models.real_models import load_target
+
     model, tokenizer = load_target(args.model, DTYPES[args.dtype], args.device)
+    enable(model)
     if args.replan_linears:
         from .models.cpu_linear import plan_linears
 
@@ -430,27 +432,6 @@ def load_plain_fp32(name: str) -> torch.nn.Module:
     if name == "smollm2":
         return load_smollm2(torch.float32, "cpu")[0]
     return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
-
-
-def load_target(
-    name: str, dtype: torch.dtype | str, device: str
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """(model with `hf_specdec.enable` applied, left-padding tokenizer with a pad token)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .loop.integration import enable
-    from .models.real_models import QWEN_CODER, load_gemma3, load_smollm2, qwen_coder_path
-
-    if name in ("smollm2", "gemma3"):
-        load = load_smollm2 if name == "smollm2" else load_gemma3
-        model, tokenizer = load(torch.float32 if dtype == "auto" else dtype, device)
-    else:
-        name = str(qwen_coder_path(name)) if name in QWEN_CODER else name
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-    return enable(model), tokenizer
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def test_requests_joining_mid_flight_match_plain_generate(model, method):
         assert [t for o in request_outputs for t in o.new_token_ids] == final.token_ids
         assert final.token_ids == expected[tuple(prompt)], method
         assert final.finish_reason == ("stop" if final.token_ids[-1] == EOS_TOKEN_ID else "length")
-    assert engine.cache.num_blocks_used == 0
+    assert engine.num_kv_blocks_used == 0
     assert engine.num_running == 0 and engine.num_waiting == 0
     if method not in ("none",):
         assert engine.metrics.num_draft_tokens > 0
@@ -116,7 +116,7 @@ def test_aborts_free_every_block_and_drafter_row(model):
     assert sorted(finished) == sorted(ids[i] for i in (0, 2, 3, 4))
     for i in (0, 2, 3, 4):
         assert finished[ids[i]] == _alone(model, prompts[i], 40)
-    assert engine.cache.num_blocks_used == 0
+    assert engine.num_kv_blocks_used == 0
     assert engine.proposer.cache.num_blocks_used == 0
 
 
@@ -162,7 +162,7 @@ def test_two_hundred_requests_with_random_aborts(model):
     assert not live
     assert len(results) + len(aborted) == 200
     assert all(o.finish_reason in ("stop", "length") for o in results.values())
-    assert engine.cache.num_blocks_used == 0 and engine._reserved_blocks == 0
+    assert engine.num_kv_blocks_used == 0 and engine._reserved_blocks == 0
     assert engine.num_running == engine.num_waiting == 0
 
 
@@ -268,7 +268,7 @@ def test_a_failing_step_ends_its_requests_only(model, monkeypatch):
     failed = engine.step()
     assert sorted(o.request_id for o in failed) == sorted(first)
     assert all(o.finish_reason == "error" and "RuntimeError: boom" in o.error for o in failed)
-    assert engine.cache.num_blocks_used == 0 and engine.num_waiting == 1
+    assert engine.num_kv_blocks_used == 0 and engine.num_waiting == 1
     monkeypatch.setattr(engine_module, "speculative_step", original)
     outputs = []
     while engine.has_unfinished():

