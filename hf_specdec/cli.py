@@ -171,6 +171,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-model-len", type=int, help="longest prompt + completion (default: the model's, at most the engine's cap)"
     )
+    serve.add_argument(
+        "--num-kv-blocks", type=int,
+        help="the target's KV pool in blocks of the config's block_size (default: 2048 tokens per request row)",
+    )
     serve.add_argument("--dtype", choices=DTYPES, default="auto")
     serve.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     plan = commands.add_parser(
@@ -388,7 +392,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f'hf-specdec serve needs {error.name}: pip install "hf-specdec[serve]"') from None
     serve(
         args.model, config, host=args.host, port=args.port, api_key=args.api_key, max_batch_size=args.max_batch_size,
-        max_model_len=args.max_model_len, dtype=DTYPES[args.dtype], device=args.device,
+        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, dtype=DTYPES[args.dtype],
+        device=args.device,
     )  # fmt: skip
     return 0
 

@@ -429,11 +429,11 @@ def test_cli_serve(monkeypatch, capsys, tokenizer):
 
     started = {}
     monkeypatch.setattr(server_module, "load_target", lambda name, dtype, device: (build_tiny_llama(), tokenizer))
-    monkeypatch.setattr(server_module.uvicorn, "run", lambda app, host, port: started.update(host=host, port=port))
+    monkeypatch.setattr(server_module, "run_app", lambda app, host, port: started.update(host=host, port=port))
 
-    def spy_build_app(engine, tokenizer, model_name, api_key=None):
-        started.update(engine=engine, model_name=model_name, api_key=api_key)
-        return build_app(engine, tokenizer, model_name, api_key)
+    def spy_build_app(engine, tokenizer, model_name, api_key=None, engine_thread=True):
+        started.update(engine=engine, model_name=model_name, api_key=api_key, engine_thread=engine_thread)
+        return build_app(engine, tokenizer, model_name, api_key, engine_thread)
 
     def spy_engine(model, speculative_config, **options):
         started.update(speculative_config=speculative_config)
@@ -443,11 +443,15 @@ def test_cli_serve(monkeypatch, capsys, tokenizer):
     monkeypatch.setattr(server_module, "SpeculativeEngine", spy_engine)
     monkeypatch.setenv("HF_SPECDEC_API_KEY", "from-env")
     config = '{"method": "ngram", "num_speculative_tokens": 3}'
-    assert main(["serve", "--model", "tiny", "--speculative-config", config, "--max-model-len", "256"]) == 0
+    assert main(
+        ["serve", "--model", "tiny", "--speculative-config", config, "--max-model-len", "256", "--num-kv-blocks", "40"]
+    ) == 0
     assert (started["host"], started["port"], started["api_key"], started["model_name"]) == (
         "127.0.0.1", 8000, "from-env", "tiny"
     )  # fmt: skip
     assert started["engine"].max_model_len == 256 and started["speculative_config"].num_speculative_tokens == 3
+    assert started["engine"].cache.allocator.num_blocks == 40
+    assert started["engine_thread"] is False  # run_app drives the engine on the main thread
     assert "warning" not in capsys.readouterr().err
     monkeypatch.delenv("HF_SPECDEC_API_KEY")
     main(["serve", "--model", "tiny", "--host", "0.0.0.0", "--port", "9001"])
@@ -463,3 +467,42 @@ def test_cli_serve(monkeypatch, capsys, tokenizer):
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(SystemExit, match=r'pip install "hf-specdec\[serve\]"'):
         main(["serve", "--model", "tiny", "--speculative-config", config])
+
+
+def test_run_app_drives_the_engine_on_the_calling_thread(tokenizer, reference):
+    """What `hf-specdec serve` runs: uvicorn on a thread of its own, the engine loop on the calling
+    thread until the server stops (why: engine_loop.py)."""
+    from hf_specdec.serving.server import run_app
+
+    engine = SpeculativeEngine(build_tiny_llama(), ngram_config(k=4), max_batch_size=4, tokenizer=tokenizer)
+    app = build_app(engine, tokenizer, MODEL_NAME, engine_thread=False)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    stepping_threads = set()
+    step = engine.step
+
+    def recording_step():
+        stepping_threads.add(threading.current_thread().name)
+        return step()
+
+    engine.step = recording_step
+    caller = threading.Thread(target=run_app, args=(app, "127.0.0.1", port), name="caller", daemon=True)
+    caller.start()
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "run_app's server did not answer /health within 30 s"
+        time.sleep(0.05)
+    prompt_ids = tokenizer(PROMPTS[0]).input_ids
+    body = {"model": MODEL_NAME, "prompt": prompt_ids, "max_tokens": 12, "temperature": 0}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    assert answer["choices"][0]["text"] == tokenizer.decode(plain_greedy(reference, prompt_ids, 12))
+    assert stepping_threads == {"caller"}
+    app.state.engine_loop.stop()  # as uvicorn's shutdown does: the loop ends, then the HTTP thread
+    caller.join(timeout=30)
+    assert not caller.is_alive()

@@ -1,6 +1,10 @@
-"""One background thread drives the `SpeculativeEngine`; HTTP handlers talk to it through queues.
+"""One thread drives the `SpeculativeEngine`; HTTP handlers talk to it through queues.
 
-The engine is not thread-safe, so nothing but this thread calls it. Handlers put commands (add a
+The engine is not thread-safe, so nothing but this thread calls it. `hf-specdec serve` runs it on
+the main thread (`run`) and uvicorn on another: torch's OpenMP threads serve best the thread that
+ran the process's first parallel region (loading the model did), and a second thread's team
+competes with the first's (SmolLM2 on 2 cores: plain generate() 71 ms per token on a second thread,
+44 on the main one). `start` runs it on a thread of its own instead (the tests). Handlers put commands (add a
 request, abort one) on a thread-safe queue; the thread drains the queue before each
 `engine.step()` and hands each request's outputs to that request's asyncio queue with
 `loop.call_soon_threadsafe(queue.put_nowait, ...)`. With nothing to run it blocks on the command
@@ -11,6 +15,7 @@ queue (no busy spin). After every round it publishes a snapshot of the engine's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -54,15 +59,17 @@ class _Abort:
 
 
 _STOP = object()
+IDLE_WAKE_SECONDS = 0.5
 
 
 class EngineLoop:
-    """The engine's thread: `start()`, then `add()` / `abort()` from the event loop, `stop()` at shutdown."""
+    """The engine's thread: `run()` (or `start()` for a thread of its own), then `add()` / `abort()` from
+    the event loop, `stop()` at shutdown."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="hf-specdec-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="hf-specdec-engine", daemon=True)
         # request id -> (event loop, outputs queue); only the engine thread touches it
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stats = self._snapshot()
@@ -71,9 +78,15 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self) -> None:
-        """Ends the thread after its current step; requests still open get a 503 EngineError."""
+        """Ends `run` after its current step (waits for it when `start` ran it); requests still open get a
+        503 EngineError."""
         self._commands.put(_STOP)
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def end_all(self) -> None:
+        """`run` was interrupted (Ctrl-C on the main thread): every open request gets a 503 EngineError."""
+        self._end_all(EngineError("the server is shutting down", 503))
 
     def add(self, request_id: str, prompt_ids: list[int], generation_config: Any, seed: int | None) -> asyncio.Queue:
         """Queues the request; returns the asyncio queue its outputs (or an EngineError) arrive on.
@@ -85,10 +98,15 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Drive the engine in this thread until `stop()`."""
         while True:
-            # idle: block until a command comes; busy: take whatever is queued and step
-            commands = [] if self.engine.has_unfinished() else [self._commands.get()]
+            # idle: wait for a command (waking now and then: a Ctrl-C reaches a thread only between
+            # Python calls, and an endless queue wait never returns); busy: take whatever is queued and step
+            commands = []
+            while not commands and not self.engine.has_unfinished():
+                with contextlib.suppress(queue.Empty):
+                    commands.append(self._commands.get(timeout=IDLE_WAKE_SECONDS))
             while True:
                 try:
                     commands.append(self._commands.get_nowait())

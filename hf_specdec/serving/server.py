@@ -22,7 +22,9 @@ import asyncio
 import copy
 import json
 import secrets
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -69,15 +71,18 @@ class APIError(Exception):
 
 
 def build_app(
-    engine: SpeculativeEngine, tokenizer: PreTrainedTokenizerBase, model_name: str, api_key: str | None = None
+    engine: SpeculativeEngine, tokenizer: PreTrainedTokenizerBase, model_name: str, api_key: str | None = None,
+    engine_thread: bool = True,
 ) -> FastAPI:
-    """The server's app over `engine` (a `SpeculativeEngine`, driven from its own thread while the app
-    runs); `api_key`: when given, every endpoint but /health needs `Authorization: Bearer <api_key>`."""
+    """The server's app over `engine` (a `SpeculativeEngine`); `api_key`: when given, every endpoint but
+    /health needs `Authorization: Bearer <api_key>`. `engine_thread`: the app starts a thread of its own
+    for the engine while it runs; False: the caller runs `app.state.engine_loop.run()` (`run_app`)."""
     engine_loop = EngineLoop(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine_loop.start()
+        if engine_thread:
+            engine_loop.start()
         yield
         engine_loop.stop()
 
@@ -441,7 +446,7 @@ class _RequestCounters:
 
 def serve(model_path: str, speculative_config: SpeculativeConfig | dict | str | None, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_batch_size: int = 16, max_model_len: int | None = None,
-          dtype: torch.dtype | str = "auto", device: str = "cpu") -> None:
+          num_kv_blocks: int | None = None, dtype: torch.dtype | str = "auto", device: str = "cpu") -> None:
     """Loads the model (a folder, a Hub id, or 'smollm2' / 'gemma3' from PyPI, as `hf-specdec bench`)
     and serves it until interrupted. Without `api_key` on a host other than localhost, warns: anyone who
     can reach the port can use the model."""
@@ -450,5 +455,30 @@ def serve(model_path: str, speculative_config: SpeculativeConfig | dict | str | 
               "(give --api-key or set HF_SPECDEC_API_KEY)", file=sys.stderr)
     model, tokenizer = load_target(model_path, dtype, device)
     engine = SpeculativeEngine(model, speculative_config, max_batch_size=max_batch_size, max_model_len=max_model_len,
-                               tokenizer=tokenizer)
-    uvicorn.run(build_app(engine, tokenizer, model_path, api_key), host=host, port=port)
+                               num_kv_blocks=num_kv_blocks, tokenizer=tokenizer)
+    run_app(build_app(engine, tokenizer, model_path, api_key, engine_thread=False), host, port)
+
+
+def run_app(app: FastAPI, host: str, port: int) -> None:
+    """Serve `app` (built with `engine_thread=False`) until interrupted or stopped: uvicorn on a thread of
+    its own, the engine on this one (why: engine_loop.py)."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port))
+    engine_loop = app.state.engine_loop
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:  # uvicorn ended (shut down, or it could not bind): so does the engine loop
+            engine_loop.stop()
+
+    http = threading.Thread(target=serve_http, name="hf-specdec-http", daemon=True)
+    http.start()
+    if threading.current_thread() is threading.main_thread():  # uvicorn's graceful SIGTERM, now ours
+        signal.signal(signal.SIGTERM, lambda signum, frame: engine_loop.stop())
+    try:
+        engine_loop.run()
+    except KeyboardInterrupt:  # uvicorn no longer owns the signals: Ctrl-C lands here
+        engine_loop.end_all()
+    finally:
+        server.should_exit = True
+        http.join()
