@@ -48,6 +48,18 @@ PROMPTS = [
 ]
 
 
+def wait_for_health(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the server at {url} did not answer /health within 30 s"
+        time.sleep(0.05)
+
+
 @contextmanager
 def running_server(app):
     """The app served by uvicorn in a thread on a free port; yields the base URL once /health answers."""
@@ -57,15 +69,7 @@ def running_server(app):
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not answer /health within 30 s"
-        time.sleep(0.05)
+    wait_for_health(url)
     try:
         yield url
     finally:
@@ -489,15 +493,8 @@ def test_run_app_drives_the_engine_on_the_calling_thread(tokenizer, reference):
     engine.step = recording_step
     caller = threading.Thread(target=run_app, args=(app, "127.0.0.1", port), name="caller", daemon=True)
     caller.start()
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "run_app's server did not answer /health within 30 s"
-        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    wait_for_health(url)
     prompt_ids = tokenizer(PROMPTS[0]).input_ids
     body = {"model": MODEL_NAME, "prompt": prompt_ids, "max_tokens": 12, "temperature": 0}
     answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()

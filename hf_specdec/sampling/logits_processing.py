@@ -238,13 +238,9 @@ class RowStopCheckers:
         self.by_row: dict[int, StopChecker] = {}
 
     def first_stop(
-        self,
-        token_buffer: torch.Tensor,
-        rows: np.ndarray,
-        start_lens: np.ndarray,
-        num_emitted: np.ndarray,
+        self, token_buffer: torch.Tensor, rows: np.ndarray, start_lens: np.ndarray, num_emitted: np.ndarray,
         max_lengths: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """`StopChecker.first_stop`, each row with its own checker."""
         keep, stopped = num_emitted.copy(), np.zeros(len(rows), dtype=bool)
         checkers = [self.by_row[int(row)] for row in rows]
