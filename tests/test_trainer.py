@@ -3,7 +3,7 @@
 A few steps of each method must lower the loss and leave a folder the drafter loads (and
 generate with it stays token-identical to plain generate); a run resumed from a checkpoint must
 continue with exactly the loss the uninterrupted run had; the data pipeline must mask exactly the
-assistant tokens; two processes under `accelerate launch --cpu` must train the same head as one;
+assistant tokens; two processes under `accelerate launch` on CPU must train the same head as one;
 bad input must fail with a clear error.
 """
 
@@ -333,9 +333,11 @@ def test_openai_messages_and_bad_input(target_folder, tmp_path, word_tokenizer, 
 def test_two_processes_train_the_same_head(target_folder, data_file, tmp_path):
     common = ["--method", "eagle3", "--draft-vocab-size", "96", "--ttt-steps", "2", "--max-steps", "3"]
     _train(target_folder, data_file, tmp_path / "one", *common)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    # `--cpu` would start ONE process (Accelerate's simple launcher): two gloo processes need
+    # --multi_gpu with ACCELERATE_USE_CPU
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "ACCELERATE_USE_CPU": "true"}
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_specdec.trainers.eagle",
         "--target", str(target_folder), "--data", str(data_file), "--output", str(tmp_path / "two"),
         "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "0", "--save-every", "0",
@@ -343,6 +345,8 @@ def test_two_processes_train_the_same_head(target_folder, data_file, tmp_path):
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    states = [json.loads((tmp_path / run / "trainer_state.json").read_text()) for run in ("one", "two")]
+    assert [state["num_processes"] for state in states] == [1, 2]
     one = load_file(str(tmp_path / "one" / "model.safetensors"))
     two = load_file(str(tmp_path / "two" / "model.safetensors"))
     assert one.keys() == two.keys()
@@ -351,8 +355,12 @@ def test_two_processes_train_the_same_head(target_folder, data_file, tmp_path):
         torch.testing.assert_close(one[name].float(), two[name].float(), rtol=1e-2, atol=1e-2, msg=name)
     one_log = [json.loads(x) for x in (tmp_path / "one" / trainer.TRAIN_LOG).read_text().splitlines()]
     two_log = [json.loads(x) for x in (tmp_path / "two" / trainer.TRAIN_LOG).read_text().splitlines()]
-    for a, b in zip([r["loss"] for r in one_log if "loss" in r], [r["loss"] for r in two_log if "loss" in r]):
+    one_losses, two_losses = ([r["loss"] for r in log if "loss" in r] for log in (one_log, two_log))
+    assert len(one_losses) == len(two_losses) == 3
+    for a, b in zip(one_losses, two_losses):
         assert abs(a - b) < 1e-4 * max(1.0, abs(a))
+    # the learning rate followed the same schedule: one scheduler step per optimizer step
+    assert [r["lr"] for r in one_log if "lr" in r] == [r["lr"] for r in two_log if "lr" in r]
 
 
 def test_regenerated_answers_are_the_targets_greedy_output(target_folder, data_file, tmp_path):

@@ -283,7 +283,10 @@ def main(argv: list[str] | None = None) -> Path:
         if not is_tensorboard_available():
             raise ValueError("--report-to tensorboard needs the tensorboard package (pip install tensorboard)")
         log_with = "tensorboard"
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=log_with, project_dir=str(output))
+    # the loop splits each global batch itself and steps the scheduler once per optimizer step; by
+    # default Accelerate would step it once per process, N times too fast under N processes
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=log_with, project_dir=str(output),
+                              step_scheduler_with_optimizer=False)
     _warn_if_emulated_bf16(accelerator, args)
     set_seed(args.seed)
     if args.batch_size < accelerator.num_processes:
@@ -378,7 +381,7 @@ def main(argv: list[str] | None = None) -> Path:
         held_out = {"seed": args.eval_seed, "records": len(eval_ids), "evaluated": len(eval_data.input_ids),
                     "ids_sha256": hashlib.sha256(",".join(map(str, eval_ids)).encode()).hexdigest()}
         _write_output(args, accelerator.unwrap_model(objective).head, output, progress, eval_metrics, len(train_data),
-                      held_out)
+                      held_out, accelerator.num_processes)
     accelerator.wait_for_everyone()
     return output
 
@@ -452,7 +455,7 @@ def _save_checkpoint(accelerator, output: Path, step: int, keep: int) -> None:
 
 
 def _write_output(args, head: EagleHead, output: Path, progress: TrainingProgress, eval_metrics: dict,
-                  num_train_records: int, held_out: dict) -> None:
+                  num_train_records: int, held_out: dict, num_processes: int) -> None:
     """The Hub-ready folder: the head in --save-dtype, its card, and how it was trained (`held_out`
     names the evaluation records by their split seed, count and a hash of their indices, so a run
     continuing this head can check it holds out the same ones)."""
@@ -472,6 +475,7 @@ def _write_output(args, head: EagleHead, output: Path, progress: TrainingProgres
         "ttt_steps": args.ttt_steps,
         "draft_vocab_size": head.head_config.draft_vocab_size,
         "eval": eval_metrics,
+        "num_processes": num_processes,
         "command": args.command,
     }
     (output / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
