@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..profiling import timed_forward
+from ..tensor_parallel import check_ranks_agree, tensor_parallel_group
 from ..transfer import to_device
 from .paged_cache import PagedKVCache
 
@@ -55,7 +56,12 @@ def forward_tokens(
     tree_mask: np.ndarray | None = None,
 ) -> torch.Tensor:
     """The model's logits `[len(keep), vocab]` at packed positions `keep` after feeding `counts[i]`
-    new tokens of each row (`input_ids` / `position_ids`: `[sum(counts)]`, on the model's device)."""
+    new tokens of each row (`input_ids` / `position_ids`: `[sum(counts)]`, on the model's device).
+
+    A tensor-parallel model's ranks first check they feed the same tokens (`tensor_parallel.py`)."""
+    group = tensor_parallel_group(model)
+    if group is not None:
+        check_ranks_agree(group, input_ids, position_ids)
 
     def forward(tokens: slice, kept: np.ndarray) -> torch.Tensor:
         logits_to_keep = to_device([kept], input_ids.device)[0]

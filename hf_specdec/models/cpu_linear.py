@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from ..config import CPU_LINEAR_BACKENDS
+from ..tensor_parallel import tensor_parallel_group
 
 # the numba kernel's limit: up to here it beat oneDNN on SmolLM2's shapes on the EPYC (lm_head at
 # 8 rows: 9.5 vs 13.2 ms; whole forwards of 9 / 12 / 16 tokens: 83 / 103 / 131 ms against 103 / 116 / 120)
@@ -622,7 +623,9 @@ def resolve_backend(backend: str, modules: Iterable[torch.nn.Module]) -> str:
     """The backend the loop runs, "auto", "numba", "onednn" or "torch", for the configured `backend`.
 
     "auto" stays "auto" (measured routes) when `modules` hold some fp32 CPU linear, else it is
-    "torch"; "onednn" where torch has no oneDNN raises, naming the allowed values.
+    "torch"; "torch" too when one of them is tensor-parallel: each rank would time its own routes,
+    and a drafter whose rounding differs between ranks could draft different tokens on them.
+    "onednn" where torch has no oneDNN raises, naming the allowed values.
     """
     if backend not in CPU_LINEAR_BACKENDS:
         raise ValueError(f"cpu_linear_backend={backend!r} is unknown; allowed: {', '.join(CPU_LINEAR_BACKENDS)}")
@@ -633,6 +636,9 @@ def resolve_backend(backend: str, modules: Iterable[torch.nn.Module]) -> str:
         )
     if backend != "auto":
         return backend
+    modules = list(modules)
+    if any(tensor_parallel_group(module) is not None for module in modules):
+        return "torch"
     return "auto" if next(_fp32_cpu_linears(modules), None) is not None else "torch"
 
 
