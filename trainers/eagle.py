@@ -8,7 +8,9 @@ One step: the frozen target's hidden states for a global batch (online, or from
 `--hidden-states-cache`), the unrolled draft steps and their loss (`objectives.py`), one
 optimizer step. Each process takes its share of the global batch's rows; losses are normalised
 by the label count over all processes, so 1 and N processes train the same head up to
-floating-point noise. Checkpoints (`accelerator.save_state`: head, optimizer, scheduler, RNG and
+floating-point noise. `--shard-target` shards the frozen target over the processes (FSDP2, for a
+target that does not fit one device); an Accelerate FSDP2 config (examples/accelerate_fsdp.yaml)
+shards the head too. Checkpoints (`accelerator.save_state`: head, optimizer, scheduler, RNG and
 our progress counter) land in `<output>/checkpoints/step_N`; `--resume` continues from the
 newest, in the same data order (batches are a pure function of seed and epoch).
 
@@ -48,12 +50,15 @@ from .data import (
     tokenize_records,
 )
 from .draft_vocab import frequent_tokens
-from .objectives import DraftTrainingObjective, TargetBatch
+from .objectives import DraftTrainingObjective, TargetBatch, full_weight
 from .target_states import OfflineTargetStates, run_target
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+    from torch import nn
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from hf_specdec.heads.head_config import EagleHeadConfig
 
 CHECKPOINTS = "checkpoints"
 TRAIN_LOG = "train_log.jsonl"
@@ -104,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--base-model", default=None, help="the target's Hub id for the model card (default: --target)")
     parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the finished folder to this Hub repo")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
+    parser.add_argument("--shard-target", action="store_true",
+                        help="shard the frozen target's weights over all processes (FSDP2 through "
+                        "transformers' DistributedConfig), for a target that does not fit one device; "
+                        "needs 2 or more processes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads per process")
     args = parser.parse_args(argv)
@@ -144,10 +153,20 @@ class TrainingProgress:
             setattr(self, key, value)
 
 
-def load_target(source: str, trust_remote_code: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_target(
+    source: str, trust_remote_code: bool, shard_over: int = 1
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The frozen target and its tokenizer. `shard_over` > 1 (the number of processes): transformers
+    loads it sharded with FSDP2, each process holding 1/N of every weight on its own device, the
+    weights gathered layer by layer in the forward."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust_remote_code)
+    sharding = {}
+    if shard_over > 1:
+        from transformers.distributed import DistributedConfig
+
+        sharding["distributed_config"] = DistributedConfig(fsdp_size=shard_over)
+    target = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust_remote_code, **sharding)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     target.requires_grad_(False)
     return target.eval(), tokenizer
@@ -167,7 +186,8 @@ def build_head(args: argparse.Namespace, target: PreTrainedModel, train_data: To
         # in the space of the target's hidden states, and this is a far better start than noise
         with torch.no_grad():
             rows = torch.as_tensor(draft_vocab, dtype=torch.long)
-            head.lm_head.weight.copy_(target.get_output_embeddings().weight[rows].to(head.lm_head.weight.dtype))
+            target_rows = full_weight(target.get_output_embeddings())[rows]
+            head.lm_head.weight.copy_(target_rows.to(head.lm_head.weight.dtype))
     return head.train()
 
 
@@ -224,6 +244,80 @@ def reduce_sum(accelerator: Accelerator, value: torch.Tensor) -> torch.Tensor:
     return accelerator.reduce(value.detach().clone(), reduction="sum") if accelerator.num_processes > 1 else value.detach()
 
 
+def check_distributed_setup(accelerator: Accelerator, shard_target: bool) -> None:
+    """Refuse what the trainer cannot run, saying what would work."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise ValueError(
+            "FSDP version 1 is not supported: the trainer gathers the head's FSDP2 shards to save it; "
+            "allowed: fsdp_version: 2 in the Accelerate config (examples/accelerate_fsdp.yaml)"
+        )
+    if not shard_target:
+        return
+    if accelerator.num_processes < 2:
+        raise ValueError(
+            "--shard-target shards the target over the processes, and this run has one; allowed: a launch of "
+            "2 or more processes (accelerate launch --num_processes N ..., see docs/training.md)"
+        )
+    own_placement = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
+    if accelerator.distributed_type in own_placement:
+        raise ValueError(
+            f"--shard-target does not work under {accelerator.distributed_type.value}, which places models "
+            "its own way; allowed: a DDP launch (multi-GPU / multi-CPU) or an FSDP2 config"
+        )
+
+
+def share_of(accelerator: Accelerator, data: TokenizedData, indices: list[int]) -> Batch:
+    """This process's rows of a global batch. A process left without any (a batch with fewer rows
+    than processes) takes the batch's first row with no loss and length 0: it teaches and counts
+    nothing, yet runs the forwards the others run, which are collectives under DDP and FSDP."""
+    mine = indices[accelerator.process_index :: accelerator.num_processes]
+    if mine:
+        return collate(data, mine)
+    filler = collate(data, indices[:1])
+    no_loss, no_tokens = torch.zeros_like(filler.loss_mask), torch.zeros_like(filler.lengths)
+    return Batch(filler.record_ids, filler.input_ids, no_loss, no_tokens)
+
+
+def train_step(
+    accelerator: Accelerator, objective: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Batch,
+    states: TargetBatch, target_lm_head: nn.Module, max_grad_norm: float,
+) -> tuple[float, int]:
+    """One optimizer step on this process's share of a global batch. Returns the batch's loss per
+    label over every process, and its tokens over every process."""
+    out = objective(batch.input_ids, batch.loss_mask, states, target_lm_head)
+    label_count = reduce_sum(accelerator, out["num_label_positions"]).clamp(min=1)
+    # DDP and FSDP average the processes' gradients: times N, the sums over the global label count add up
+    loss = out["loss_sum"] * accelerator.num_processes / label_count
+    accelerator.backward(loss)
+    accelerator.clip_grad_norm_(objective.parameters(), max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    tokens = int(reduce_sum(accelerator, batch.lengths.sum()))
+    return float(reduce_sum(accelerator, out["loss_sum"])) / float(label_count), tokens
+
+
+def gathered_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` on the CPU, FSDP2's shards (DTensors) gathered whole. Gathering is a
+    collective: under FSDP every process calls this."""
+    return {
+        name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
+        for name, tensor in module.state_dict().items()
+    }
+
+
+def head_from_state(
+    head_config: EagleHeadConfig, state: dict[str, torch.Tensor], dtype: torch.dtype
+) -> EagleHead:
+    """A plain head holding `state` (no FSDP, no borrowed target modules): what the output folder gets."""
+    with torch.device("meta"):  # no random initialisation of weights about to be replaced
+        head = EagleHead(head_config)
+    head.load_state_dict(state, assign=True)
+    return head.to(dtype).eval()
+
+
 def evaluate(
     accelerator: Accelerator, objective: DraftTrainingObjective, target: PreTrainedModel, eval_data: TokenizedData,
     batches: Iterable[Batch], states_for: Callable[[Batch, TokenizedData], TargetBatch],
@@ -233,7 +327,7 @@ def evaluate(
     totals: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for indices in batches:
-            batch = collate(eval_data, indices[accelerator.process_index :: accelerator.num_processes])
+            batch = share_of(accelerator, eval_data, indices)
             out = objective(batch.input_ids, batch.loss_mask, states_for(batch, eval_data), target.get_output_embeddings())
             for key, value in out.items():
                 totals[key] = totals.get(key, 0) + value.detach()
@@ -288,6 +382,7 @@ def main(argv: list[str] | None = None) -> Path:
     accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=log_with, project_dir=str(output),
                               step_scheduler_with_optimizer=False)
     _warn_if_emulated_bf16(accelerator, args)
+    check_distributed_setup(accelerator, args.shard_target)
     set_seed(args.seed)
     if args.batch_size < accelerator.num_processes:
         raise ValueError(
@@ -295,8 +390,10 @@ def main(argv: list[str] | None = None) -> Path:
             "allowed: at least one conversation per process"
         )
 
-    target, tokenizer = load_target(args.target, args.trust_remote_code)
-    target.to(accelerator.device)
+    target, tokenizer = load_target(args.target, args.trust_remote_code,
+                                    accelerator.num_processes if args.shard_target else 1)
+    if not args.shard_target:  # sharded, each process's part already sits on its device
+        target.to(accelerator.device)
     records = load_records(args.data, args.data_split)
     if args.max_records is not None:
         records = records.select(range(min(args.max_records, len(records))))
@@ -345,19 +442,13 @@ def main(argv: list[str] | None = None) -> Path:
         for indices in batches[progress.batch_in_epoch :]:
             if progress.step >= total_steps:
                 break
-            batch = collate(train_data, indices[accelerator.process_index :: accelerator.num_processes])
-            out = objective(batch.input_ids, batch.loss_mask, states_for(batch, train_data), target.get_output_embeddings())
-            label_count = reduce_sum(accelerator, out["num_label_positions"]).clamp(min=1)
-            loss = out["loss_sum"] * accelerator.num_processes / label_count
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(objective.parameters(), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+            batch = share_of(accelerator, train_data, indices)
+            train_loss, tokens = train_step(accelerator, objective, optimizer, scheduler, batch,
+                                            states_for(batch, train_data), target.get_output_embeddings(),
+                                            args.max_grad_norm)
             progress.step += 1
             progress.batch_in_epoch += 1
-            progress.tokens_seen += int(reduce_sum(accelerator, batch.lengths.sum()))
-            train_loss = float(reduce_sum(accelerator, out["loss_sum"])) / float(label_count)
+            progress.tokens_seen += tokens
             record = {"step": progress.step, "loss": train_loss, "lr": scheduler.get_last_lr()[0],
                       "tokens_seen": progress.tokens_seen, "seconds": time.perf_counter() - started}
             if args.eval_every and progress.step % args.eval_every == 0:
@@ -377,11 +468,15 @@ def main(argv: list[str] | None = None) -> Path:
         _log(accelerator, output, {"step": progress.step, **eval_metrics}, log_with)
     if log_with:
         accelerator.end_training()
+    trained = accelerator.unwrap_model(objective)
+    state = gathered_state_dict(trained)  # every process: a collective under FSDP
     if accelerator.is_main_process:
         held_out = {"seed": args.eval_seed, "records": len(eval_ids), "evaluated": len(eval_data.input_ids),
                     "ids_sha256": hashlib.sha256(",".join(map(str, eval_ids)).encode()).hexdigest()}
-        _write_output(args, accelerator.unwrap_model(objective).head, output, progress, eval_metrics, len(train_data),
-                      held_out, accelerator.num_processes)
+        head_state = {name.removeprefix("head."): tensor for name, tensor in state.items()}
+        saved = head_from_state(trained.head.head_config, head_state, getattr(torch, args.save_dtype))
+        _write_output(args, saved, output, progress, eval_metrics, len(train_data), held_out,
+                      accelerator.num_processes)
     accelerator.wait_for_everyone()
     return output
 
@@ -404,13 +499,18 @@ def _target_states(args, accelerator, target, feature_layers, train_data, eval_d
         if autocast_dtype is not None:  # fp32 caches keep the fingerprint they had before this option
             fingerprint["target_precision"] = args.target_precision
         cache = OfflineTargetStates(Path(args.hidden_states_cache) / name, fingerprint)
-        # each process writes its share of the missing records, then everyone reads every shard
+        # each process writes its share of the missing records, then everyone reads every shard;
+        # the barrier: every process lists what is missing before any writes its shard
         missing = cache.missing(range(len(data)))
+        accelerator.wait_for_everyone()
         if missing:
             mine = missing[accelerator.process_index :: accelerator.num_processes]
             bar = tqdm(total=len(mine), desc=f"caching {name} hidden states", disable=not accelerator.is_main_process)
             shard = f"shard_{int(time.time())}_{accelerator.process_index:03d}"
-            cache.build(target, data, mine, feature_layers, args.batch_size, shard, bar, autocast_dtype)
+            # sharded, every process runs as many target forwards as the first, which has the most records
+            most = math.ceil(math.ceil(len(missing) / accelerator.num_processes) / args.batch_size)
+            cache.build(target, data, mine, feature_layers, args.batch_size, shard, bar, autocast_dtype,
+                        num_forwards=most if args.shard_target else 0)
             bar.close()
             accelerator.wait_for_everyone()
             cache.reload()
@@ -454,12 +554,11 @@ def _save_checkpoint(accelerator, output: Path, step: int, keep: int) -> None:
     accelerator.wait_for_everyone()
 
 
-def _write_output(args, head: EagleHead, output: Path, progress: TrainingProgress, eval_metrics: dict,
+def _write_output(args, saved: EagleHead, output: Path, progress: TrainingProgress, eval_metrics: dict,
                   num_train_records: int, held_out: dict, num_processes: int) -> None:
-    """The Hub-ready folder: the head in --save-dtype, its card, and how it was trained (`held_out`
-    names the evaluation records by their split seed, count and a hash of their indices, so a run
-    continuing this head can check it holds out the same ones)."""
-    saved = copy.deepcopy(head).to(getattr(torch, args.save_dtype)).eval()
+    """The Hub-ready folder: the head (already in --save-dtype), its card, and how it was trained
+    (`held_out` names the evaluation records by their split seed, count and a hash of their
+    indices, so a run continuing this head can check it holds out the same ones)."""
     saved.save_pretrained(output)
     state = {
         "method": args.method,
@@ -473,7 +572,7 @@ def _write_output(args, head: EagleHead, output: Path, progress: TrainingProgres
         "tokens_seen": progress.tokens_seen,
         "max_length": args.max_length,
         "ttt_steps": args.ttt_steps,
-        "draft_vocab_size": head.head_config.draft_vocab_size,
+        "draft_vocab_size": saved.head_config.draft_vocab_size,
         "eval": eval_metrics,
         "num_processes": num_processes,
         "command": args.command,

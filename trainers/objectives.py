@@ -43,6 +43,14 @@ from hf_specdec.heads.eagle_heads import EagleHead
 from .lm_head_loss import block_rows, soft_label_cross_entropy
 
 
+def full_weight(module: nn.Module) -> torch.Tensor:
+    """`module.weight`, whole. Outside its forward, a module FSDP2 shards (a target loaded with
+    `--shard-target`) holds only this process's rows, as a DTensor; gathering them is a collective,
+    so every process must ask as often as the others."""
+    weight = module.weight
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
 @dataclass
 class TargetBatch:
     """What the frozen target contributes to a batch (online forward or offline cache)."""
@@ -76,7 +84,8 @@ def target_labels(
     argmax = torch.empty(labels, dtype=torch.long, device=final_hidden.device)
     probs = torch.empty(labels, len(draft_ids), dtype=torch.float32, device=final_hidden.device)
     step = block_rows(target_lm_head.weight.shape[0])
-    weight = target_lm_head.weight.to(matmul_dtype or target_lm_head.weight.dtype)  # cast once, not per block
+    weight = full_weight(target_lm_head)
+    weight = weight.to(matmul_dtype or weight.dtype)  # cast once, not per block
     with torch.autocast(final_hidden.device.type, enabled=False):
         for begin in range(0, labels, step):
             logits = (final_hidden[begin : begin + step].to(weight.dtype) @ weight.T).float()
@@ -100,6 +109,10 @@ class DraftTrainingObjective(nn.Module):
     Everything that needs gradients happens inside `forward`, so a distributed wrapper sees one
     forward per backward however many draft steps are unrolled.
     """
+
+    # Accelerate's FSDP TRANSFORMER_BASED_WRAP, given no class names, shards each of these as a unit
+    # (those the head has: EAGLE-3's first layer, the Llama layers after it or EAGLE's)
+    _no_split_modules = ["Eagle3FirstDecoderLayer", "LlamaDecoderLayer"]
 
     def __init__(
         self, head: EagleHead, num_steps: int = 1, step_weight: float = 0.8, eagle_ce_weight: float = 0.1,
@@ -173,7 +186,7 @@ class DraftTrainingObjective(nn.Module):
             rows, cols, labels = rows[keep], cols[keep], labels[keep]
             predicted = hidden[rows, cols]
             loss, draft_argmax = soft_label_cross_entropy(
-                head.lm_head_input(predicted), head.output_head().weight, target_probs, labels
+                head.lm_head_input(predicted), full_weight(head.output_head()), target_probs, labels
             )
             if head.method == "eagle":
                 next_feature = target.final_hidden[rows, cols + 1 + step].to(predicted.dtype)
@@ -214,7 +227,7 @@ class DraftTrainingObjective(nn.Module):
         head's `within` most likely drafts there; `within` where it is not among them. A block of
         rows at a time, as the loss: one buffer of rows x draft vocabulary logits would be large."""
         head = self.head
-        weight = head.output_head().weight
+        weight = full_weight(head.output_head())
         ranks = torch.full_like(target_ids, within)
         step = block_rows(weight.shape[0])
         for begin in range(0, len(target_ids), step):

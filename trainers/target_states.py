@@ -87,13 +87,21 @@ class OfflineTargetStates:
     def build(
         self, target: nn.Module, data: TokenizedData, record_ids: Sequence[int], feature_layers: Sequence[int],
         batch_size: int, shard_name: str, progress=None, autocast_dtype: torch.dtype | None = None,
+        num_forwards: int = 0,
     ) -> None:
-        """Compute and write the states of `record_ids` into the shard `shard_name` (no suffix)."""
+        """Compute and write the states of `record_ids` into the shard `shard_name` (no suffix).
+
+        `num_forwards`: run the target at least this many times. A sharded target's forward is a
+        collective, so a process with fewer batches than another runs one-token forwards it drops.
+        """
         from safetensors.torch import save_file
 
         tensors = {}
         ordered = sorted(record_ids, key=lambda i: -len(data.input_ids[i]))  # little padding per batch
-        for begin in range(0, len(ordered), batch_size):
+        starts = range(0, len(ordered), batch_size)
+        for _ in range(len(starts), num_forwards):
+            run_target(target, torch.zeros(1, 1, dtype=torch.long), feature_layers, autocast_dtype)
+        for begin in starts:
             batch = collate(data, ordered[begin : begin + batch_size])
             states = run_target(target, batch.input_ids, feature_layers, autocast_dtype)
             for row, (record, length) in enumerate(zip(batch.record_ids.tolist(), batch.lengths.tolist())):
@@ -126,8 +134,9 @@ class OfflineTargetStates:
             if features is None:
                 features = torch.zeros(rows, width, f.shape[-1], dtype=dtype)
                 final_hidden = torch.zeros(rows, width, h.shape[-1], dtype=dtype)
-            features[row, :length] = f.to(dtype)
-            final_hidden[row, :length] = h.to(dtype)
+            # [:length]: a filler row (`length` 0) takes none of its record's states
+            features[row, :length] = f[:length].to(dtype)
+            final_hidden[row, :length] = h[:length].to(dtype)
         return TargetBatch(features=features, final_hidden=final_hidden)
 
 
