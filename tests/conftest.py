@@ -9,6 +9,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -182,3 +185,28 @@ def load_benchmark(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_launcher(command: list[str], timeout: float, **env: str) -> str:
+    """Run a multi-process launcher (torchrun, accelerate launch) in its own session, with `env` over
+    ours; its output. AssertionError with the output's end when it fails or outlives `timeout` (then
+    the launcher and every process it started are killed: a process waiting on a collective that
+    another never joins would wait forever)."""
+    process = subprocess.Popen(
+        command, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"{command[2]} did not finish in {timeout} s:\n{output[-5000:]}") from None
+    assert process.returncode == 0, output[-5000:]
+    return output

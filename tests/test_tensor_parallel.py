@@ -10,16 +10,20 @@ check. See docs/tensor-parallel.md.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import EOS_TOKEN_ID, build_tiny_llama, left_padded_batch, plain_generate, repeated_span_prompts
+from conftest import (
+    EOS_TOKEN_ID,
+    build_tiny_llama,
+    free_port,
+    left_padded_batch,
+    plain_generate,
+    repeated_span_prompts,
+    run_launcher,
+)
 from test_draft_model import perturbed_copy
 from test_eagle import random_head
 from transformers import AutoModelForCausalLM
@@ -45,12 +49,6 @@ def drafter_configs(folder: Path) -> dict[str, dict]:
         "layer_skip": {"method": "layer_skip", "early_exit_layer": 1, "num_speculative_tokens": 3},
         "suffix": {"method": "suffix", "num_speculative_tokens": 4},
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _greedy_reference(folder: Path, inputs: dict) -> list[list[int]]:
@@ -100,20 +98,9 @@ def launch(tmp_path_factory) -> tuple[dict, list[dict]]:
     case = _write_case(folder)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(WORKER), str(folder / "case.json"),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(folder / "case.json"),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # its own session: on a timeout the launcher and both ranks are stopped together
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(f"torchrun did not finish in {LAUNCH_TIMEOUT_SECONDS} s:\n{output[-5000:]}") from None
-    assert process.returncode == 0, output[-5000:]
+    run_launcher(command, LAUNCH_TIMEOUT_SECONDS, OMP_NUM_THREADS="1")
     results = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
     assert [r["rank"] for r in results] == list(range(RANKS)) and {r["world_size"] for r in results} == {RANKS}
     return case, results

@@ -16,24 +16,21 @@ What stays untested here (Accelerate's own FSDP2 prepare, optimizer and checkpoi
 from __future__ import annotations
 
 import json
-import os
-import random
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import test_trainer
 import torch
 import yaml
 from accelerate.utils import DistributedType
-from conftest import build_tiny_llama
+from conftest import free_port, run_launcher
 from hf_specdec.trainers import eagle as trainer
 from safetensors.torch import load_file
-from test_trainer import CHAT_TEMPLATE, _conversation
 
+# the DDP tests' tiny target (its folder) and chats: the same fixtures
+target_folder, data_file = test_trainer.target_folder, test_trainer.data_file
 WORKER = Path(__file__).resolve().parent / "fsdp_trainer_worker.py"
 FSDP_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "accelerate_fsdp.yaml"
 LAUNCH_TIMEOUT_SECONDS = 240  # a process waiting on a collective the other never joins fails here
@@ -53,46 +50,8 @@ METHODS = {
 FSDP_UNITS = {"eagle3": ["head.layers.0", "head.layers.1"], "eagle": ["head.layers.0"]}
 
 
-@pytest.fixture(scope="module")
-def target_folder(tmp_path_factory, word_tokenizer):
-    folder = tmp_path_factory.mktemp("target")
-    build_tiny_llama(initializer_range=0.5).save_pretrained(folder)
-    word_tokenizer.save_pretrained(folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
-    path.write_text("\n".join(json.dumps(_conversation(rng, sharegpt=True)) for _ in range(64)) + "\n")
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run_two_processes(command: list[str]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    # its own session: on a timeout the launcher and both ranks are stopped together
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(
-            f"{command[2]} did not finish in {LAUNCH_TIMEOUT_SECONDS} s:\n{output[-5000:]}"
-        ) from None
-    assert process.returncode == 0, output[-5000:]
+    run_launcher(command, LAUNCH_TIMEOUT_SECONDS, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")
 
 
 def _trainer_args(target_folder: Path, data_file: Path, output: Path, *extra: str) -> list[str]:
@@ -104,7 +63,7 @@ def _launch_trainer(args: list[str]) -> None:
     _run_two_processes([
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(_free_port()), "-m", "hf_specdec.trainers.eagle", *args,
+        "--main_process_port", str(free_port()), "-m", "hf_specdec.trainers.eagle", *args,
     ])  # fmt: skip
 
 
@@ -149,7 +108,7 @@ def test_sharded_target_and_fsdp_head_train_the_same_head_as_one_process(
     (tmp_path / "case.json").write_text(json.dumps(case))
     _run_two_processes([
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(_free_port()), str(WORKER), str(tmp_path / "case.json"),
+        "--master-port", str(free_port()), str(WORKER), str(tmp_path / "case.json"),
     ])  # fmt: skip
     fsdp = json.loads((tmp_path / "fsdp.json").read_text())
 
