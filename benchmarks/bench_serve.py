@@ -9,8 +9,8 @@ Arms, each its own server process, started once and kept for the whole run:
   reason in the JSON where it does not start).
 
 A run is one arm at one concurrency: `concurrency` client threads each send the next prompt as soon
-as their previous request ends (a closed loop: requests arrive while the others run), until every
-prompt is answered. Streaming chat completions, greedy, `--max-tokens` each. Before the runs every
+as their previous request ends (a closed loop), until every prompt is answered: `--waves` prompts per
+client at least, so that after the first wave requests arrive while the others run. Streaming chat completions, greedy, `--max-tokens` each. Before the runs every
 server answers `--warmup` requests, not counted (a process's first requests load the CPU linears'
 plan, and auto k learns its costs: the first repeat ran up to 1.5x slower than the second without
 this). Repeats interleave the arms: for each repeat, for each concurrency, every arm in turn.
@@ -182,7 +182,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--arms", default="off,ngram,eagle3-lookup,transformers")
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--num-prompts", type=int, default=16, help="prompts per run (at concurrency c: max(c, this))")
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per run, at least (see --waves)")
+    parser.add_argument("--waves", type=int, default=3, help="prompts per client, at least: max(this x c, --num-prompts)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=4, help="requests each server answers before the runs")
@@ -206,7 +207,7 @@ def main() -> None:
             run_once(url, folder, warmup_prompts, min(2, len(warmup_prompts)) or 1, args.max_tokens)
         for repeat in range(args.repeats):
             for concurrency in levels:
-                prompts = mtbench_user_turns(max(concurrency, args.num_prompts))
+                prompts = mtbench_user_turns(max(args.waves * concurrency, args.num_prompts))
                 for arm, (_, url) in servers.items():
                     wall, results = run_once(url, folder, prompts, concurrency, args.max_tokens)
                     runs[arm][concurrency].append((wall, results))
