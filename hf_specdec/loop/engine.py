@@ -60,7 +60,7 @@ from ..sampling.logits_processing import (
 from .auto_k import controller_for
 from .auto_tree import AutoTreeController
 from .metrics import SpecDecodeMetrics
-from .step import DecodeState, SamplingState, drafter_networks, speculative_step
+from .step import DecodeState, SamplingState, drafter_networks, release_rows, speculative_step
 
 logger = logging.getLogger(__name__)
 
@@ -318,7 +318,7 @@ class SpeculativeEngine:
         row = next((row for row, request in self._running.items() if request.request_id == request_id), None)
         if row is None:
             return False
-        self._stop_row(row)
+        release_rows(self.state, self.cache, self.proposer, self.features, [row])
         self._free_slot(row)
         if not self._running:
             self._release_model()
@@ -428,14 +428,6 @@ class SpeculativeEngine:
         )
         return "stop" if ended_by_stop_string else "length"
 
-    def _stop_row(self, row: int) -> None:
-        """What the step does for a row that finished: free its blocks and the drafter's state."""
-        self.state.finished[row] = True
-        self.cache.free_row(row)
-        self.proposer.release([row], [self.state.tokens(row)])
-        if self.features is not None:
-            self.features.drop(row)
-
     def _free_slot(self, row: int) -> None:
         request = self._running.pop(row)
         self._reserved_blocks -= request.num_blocks
@@ -447,7 +439,7 @@ class SpeculativeEngine:
         outputs = []
         for row, request in list(self._running.items()):
             with contextlib.suppress(Exception):  # the failed step may have left the drafter half-updated
-                self._stop_row(row)
+                release_rows(self.state, self.cache, self.proposer, self.features, [row])
             self.state.finished[row] = True
             self.cache.free_row(row)
             self._free_slot(row)

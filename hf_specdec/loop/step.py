@@ -212,12 +212,7 @@ def speculative_step(
             None if raw_kept is None else raw_kept[window], None if processed_kept is None else processed_kept[window],
         ))  # fmt: skip
         accept_emitted(logits_processor, int(row), output_tokens[i, :kept])
-        if stopped[i]:
-            state.finished[row] = True
-            cache.free_row(int(row))
-            if features is not None:
-                features.drop(int(row))
-        else:
+        if not stopped[i]:
             first_draft = int(state.num_cached[row] + num_pending[i])
             if trees is not None:  # the accepted path's K/V move into place after the pending tokens
                 moves.append((int(row), first_draft + paths[i], first_draft + np.arange(len(paths[i]))))
@@ -233,8 +228,7 @@ def speculative_step(
         if not stopped[i]:
             cache.rollback(int(row), int(state.num_cached[row]))
     if stopped.any():
-        finished = rows[stopped].tolist()
-        proposer.release(finished, [state.tokens(r) for r in finished])
+        release_rows(state, cache, proposer, features, rows[stopped].tolist())
     timer.lap("emit")
     timer.finish(fed_prompt=bool(num_pending.max() > 1))
     if tree_controller is not None and num_draft.any() and num_pending.max() == 1:  # a drafted step, no prefill
@@ -242,6 +236,19 @@ def speculative_step(
     if k_controller is not None:
         k_controller.record_step(timer.elapsed(), k, spec.num_draft_tokens, num_accepted.tolist())
     return emitted
+
+
+def release_rows(
+    state: DecodeState, cache: PagedKVCache, proposer: Proposer, features: TargetFeatureCapture | None, rows: list[int]
+) -> None:
+    """Rows that finished (or were aborted): marked so, their KV blocks, drafter state and waiting
+    target features freed."""
+    for row in rows:
+        state.finished[row] = True
+        cache.free_row(int(row))
+        if features is not None:
+            features.drop(int(row))
+    proposer.release(rows, [state.tokens(r) for r in rows])
 
 
 def drafter_networks(proposer) -> list[torch.nn.Module]:
