@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import families
 import numpy as np
 import pytest
 import torch
@@ -46,6 +47,7 @@ def _configs(model) -> dict:
         "layer_skip": {"method": "layer_skip", "early_exit_layer": 1, "num_speculative_tokens": 2},
         "suffix": {"method": "suffix", "num_speculative_tokens": 4},
         "ngram_auto_k": ngram_config(k="auto"),
+        "ngram_tree": ngram_config(k=4, tree={"num_nodes": 8, "topk": 2}),
     }
 
 
@@ -70,7 +72,9 @@ def _run(engine: SpeculativeEngine, arrivals: dict[int, list[tuple]], max_steps:
     raise AssertionError("the engine did not finish")
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle3", "layer_skip", "suffix", "ngram_auto_k"])
+@pytest.mark.parametrize(
+    "method", ["none", "ngram", "draft_model", "eagle3", "layer_skip", "suffix", "ngram_auto_k", "ngram_tree"]
+)
 def test_requests_joining_mid_flight_match_plain_generate(model, method):
     prompts = repeated_span_prompts(7, seed=3)
     lengths = [12, 30, 7, 25, 18, 3, 22]
@@ -94,6 +98,22 @@ def test_requests_joining_mid_flight_match_plain_generate(model, method):
     # idle: the model is handed back (its attention restored), plain generate works on it
     assert model.config._attn_implementation != ATTENTION_NAME
     assert _alone(model, prompts[0], 5) == expected[tuple(prompts[0])][:5]
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text", "lfm2"])
+def test_other_architectures_joining_mid_flight_match_plain_generate(model_type):
+    """A sliding window (Mistral), sliding + global layers with soft-caps (Gemma 3) and a hybrid whose
+    recurrent state runs one row per forward (LFM2): rows that join and leave keep each its own."""
+    other = families.build_tiny_model(model_type)
+    prompts = repeated_span_prompts(5, seed=6)
+    lengths = [14, 6, 20, 9, 16]
+    engine = SpeculativeEngine(other, ngram_config(k=3), max_batch_size=3)
+    arrivals = {0: [], 3: []}
+    for i, (prompt, length) in enumerate(zip(prompts, lengths)):
+        arrivals[0 if i < 3 else 3].append((prompt, {"max_new_tokens": length, "do_sample": False}))
+    outputs = _run(engine, arrivals)
+    assert [o[-1].token_ids for o in outputs.values()] == [_alone(other, p, n) for p, n in zip(prompts, lengths)]
+    assert engine.metrics.num_accepted_tokens > 0 and engine.num_kv_blocks_used == 0
 
 
 def test_aborts_free_every_block_and_drafter_row(model):
