@@ -29,6 +29,7 @@ from test_sampling_distribution import NEW_TOKENS, PROMPT, SETTINGS, chi_square_
 
 import hf_specdec
 from hf_specdec import SpeculativeEngine
+from hf_specdec.cache.architectures import UnsupportedModelError
 from hf_specdec.cache.paged_attention import ATTENTION_NAME
 from hf_specdec.loop import engine as engine_module
 
@@ -271,6 +272,12 @@ def test_bad_engine_arguments(model):
     engine.add_request([3, 4], request_id="a")
     with pytest.raises(ValueError, match="request_id='a' must be a string not already in use"):
         engine.add_request([3, 4], request_id="a")
+
+
+def test_models_it_cannot_run_exactly_are_refused():
+    """The engine runs the same architecture check as generate(): a refusal naming the reason, not a wrong output."""
+    with pytest.raises(UnsupportedModelError, match=r"model_type='bloom'.*AttentionInterface"):
+        SpeculativeEngine(families.build_tiny_model("bloom"), ngram_config(k=3))
 
 
 def test_a_failing_step_ends_its_requests_only(model, monkeypatch):
