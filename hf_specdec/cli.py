@@ -188,7 +188,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.set_defaults(command=_plan_linears)
     plan.add_argument("--model", default="smollm2", help="a folder, a Hub id, or 'smollm2' (default)")
     plan.add_argument("--threads", type=int, help="torch CPU threads (part of the plan's key)")
-    plan.add_argument("--rows", type=_rows, help="row counts to time, e.g. 1,2,4,8 (default 1,2,3,4,6,8,12,16,24,32)")
+    plan.add_argument("--rows", type=_rows, help="row counts to time, e.g. 1,2,4,8 (default 1,2,3,4,6,8,12,16,24,32,48,64,96)")
     plan.add_argument(
         "--whole-forward",
         action="store_true",

@@ -83,6 +83,49 @@ def test_transposed_torch_route_matches_float64(rows, bias):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 4, 33])
+def test_onednn_route_matches_float64_and_packs_each_weight_once(monkeypatch, rows, bias):
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(96, 200, bias=bias)
+    x = torch.randn(2, rows, 96)
+    packs = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(cpu_linear, "_reorder", lambda weight: packs.append(1) or reorder(weight))
+    expected = torch.nn.functional.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    with torch.no_grad(), fast_cpu_linears(layer, backend="onednn"):
+        first, second = layer(x), layer(x)
+    assert first.shape == (2, rows, 200) and torch.equal(first, second)
+    torch.testing.assert_close(first.double(), expected, rtol=1e-5, atol=1e-5)
+    assert len(packs) == 1  # packed on the first call, reused after (and by the next block)
+    with torch.no_grad(), fast_cpu_linears(layer, backend="onednn"):
+        layer(x)
+    assert len(packs) == 1
+
+
+def test_onednn_route_packs_again_after_the_weight_changes():
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    with torch.no_grad(), fast_cpu_linears(layer, backend="onednn"):
+        layer(x)
+        layer.weight.mul_(2)  # in place (training steps, load_state_dict)
+        doubled = layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+        layer.weight = torch.nn.Parameter(torch.randn(32, 64))  # replaced
+        replaced = layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(*doubled, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(*replaced, rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_route_does_not_pack_where_memory_is_short(monkeypatch):
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    monkeypatch.setattr(cpu_linear, "_available_memory", lambda: cpu_linear.PACK_MEMORY_MARGIN)
+    with torch.no_grad(), fast_cpu_linears(layer, backend="onednn"):
+        got = layer(x)
+    assert layer not in cpu_linear._PACKED_WEIGHTS  # oneDNN packs per call instead
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
 def test_numba_backend_routes_by_row_count(monkeypatch):
     # the kernel must really run up to SMALL_BATCH_ROWS rows (a fallback would pass the value tests)
     kernel_rows = []
@@ -329,11 +372,39 @@ def test_auto_runs_each_row_count_through_its_planned_route(monkeypatch, tiny_ll
         assert out.shape == (1, rows, layer.out_features)
 
 
+def test_each_weight_shape_takes_its_own_fastest_route(monkeypatch):
+    # a head-like shape fastest on oneDNN from 2 rows, the body's shape on torch: each runs its own,
+    # and all linears together (the plan's overall routes) take what their summed passes favour
+    body, head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 512)
+    network = torch.nn.Sequential(body, torch.nn.Linear(64, 64), head)
+
+    def time_pass(route, rows, linears, weights=None):  # by shape, as `_time_pass` times them
+        head_seconds = {"torch": 4.0 if rows > 1 else 1.0, "torch_t": 9.0, "onednn": 2.0, "numba": 9.0}[route]
+        return {"64x64": {"torch": 1.0, "torch_t": 9.0, "onednn": 1.5, "numba": 9.0}[route], "512x64": head_seconds}
+
+    monkeypatch.setattr(cpu_linear, "_time_pass", time_pass)
+    (plan,) = cpu_linear.plan_linears(network, rows=(1, 2, 4))
+    assert plan.shape_backends == {"64x64": ("torch",) * 3, "512x64": ("torch", "onednn", "onednn")}
+    assert plan.backends == ("torch", "onednn", "onednn")  # 4.0 + 1.0 against 2.0 + 1.5
+    assert plan.describe() == "rows 1: torch, 2-4: onednn, more: torch; 64x64: rows 1-4: torch, more: torch"
+    assert plan.timings[2] == {"torch": 5.0, "torch_t": 18.0, "onednn": 3.5, "numba": 18.0}
+    used = []
+    for route, forward in list(cpu_linear._FORWARDS.items()):
+        monkeypatch.setitem(
+            cpu_linear._FORWARDS, route, lambda self, x, route=route, forward=forward: used.append(route) or forward(self, x)
+        )
+    with torch.no_grad(), fast_cpu_linears(network):
+        body(torch.randn(3, 64))
+        head(torch.randn(3, 64))
+        head(torch.randn(1, 64))
+    assert used == ["torch", "onednn", "torch"]
+
+
 def test_auto_times_a_bounded_sample_with_every_shape_once(monkeypatch):
     # 6 decoder-like linears then a head of another shape, last (as an LM head comes last): the
     # sample takes about PLAN_BYTES of them, every shape in proportion, the head included
     linears = [torch.nn.Linear(64, 64, bias=False) for _ in range(6)] + [torch.nn.Linear(64, 128, bias=False)]
-    monkeypatch.setattr(cpu_linear, "PLAN_BYTES", 3 * 64 * 64 * 4)
+    monkeypatch.setattr(cpu_linear, "_plan_bytes", lambda: 3 * 64 * 64 * 4)
     sampled = []
 
     def fake_plan(sample, rows, time_pass, repeats, method=cpu_linear.PER_LINEAR):
@@ -354,8 +425,9 @@ def test_weighted_pass_counts_each_linear_as_often_as_it_stands_for():
     linears = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 16)]
     with torch.no_grad():
         once = cpu_linear._time_pass("torch", 2, linears, weights=[0.0, 0.0])
-        weighted = cpu_linear._time_pass("torch", 2, linears, weights=[1000.0, 1000.0])
-    assert once == 0.0 and weighted > 0.0
+        weighted = cpu_linear._time_pass("torch", 2, linears, weights=[0.0, 1000.0])
+    # timed by weight shape ("out x in")
+    assert once == {"8x8": 0.0, "16x8": 0.0} and weighted["8x8"] == 0.0 and weighted["16x8"] > 0.0
 
 
 def test_real_plan_uses_only_available_routes(tiny_llama):
@@ -386,7 +458,7 @@ def _fresh_process(monkeypatch):
 def test_plan_is_stored_and_reused_by_the_next_process(monkeypatch, counted_timing, plan_cache, tiny_llama):
     (plan,) = cpu_linear.plan_linears(tiny_llama)
     assert counted_timing and plan.source == "timed" and plan.method == "per-linear"
-    assert plan.backends == tuple("torch" if rows <= 3 else "numba" for rows in cpu_linear.PLAN_ROWS[:7]) + ("onednn",) * 3
+    assert plan.backends == tuple("torch" if rows <= 3 else "numba" for rows in cpu_linear.PLAN_ROWS[:7]) + ("onednn",) * 6
     (path,) = plan_cache.iterdir()
     assert plan.path == str(path) and [p.name for p in plan_cache.iterdir()] == [path.name]  # no temporary left
     stored = json.loads(path.read_text())

@@ -125,6 +125,7 @@ def run_benchmark(
         plan = linear_plan(model)  # stored for this machine, or timed on first use: the routes "auto" ran the target's linears by
         results["cpu_linear_plan"] = {
             "rows": list(plan.rows), "backends": list(plan.backends), "text": plan.describe(), "method": plan.method,
+            "shape_backends": {shape: list(routes) for shape, routes in plan.shape_backends.items()},
             "source": plan.source, "path": plan.path,
         }  # fmt: skip
     return results

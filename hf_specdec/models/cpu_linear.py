@@ -12,8 +12,12 @@ CPU, and no library is best everywhere:
 - the same BLAS asked for weight @ x.T instead of x @ weight.T ("torch_t"): on that Xeon MKL then
   streams the weight once for 4 to ~48 rows (16-token forwards 124 ms against 195 as x @ weight.T
   and 138 on oneDNN), though it is the slower way for 1-3 rows.
-- oneDNN, which torch ships, packs the weight on every call: slow for 1-2 rows, the best from
-  about 6 rows on (Xeon: 73 ms for 6 tokens, 89 for 16).
+- oneDNN, which torch ships. Handed a plain weight it packs it on every call (slow for 1-2 rows),
+  so this route packs each weight once into oneDNN's blocked layout and keeps it (`_packed_weight`:
+  a second copy of the weight, made only while memory allows). Packed, it streams the weight about
+  as fast for 4 to 16 rows as MKL does for one: on a 2-core Xeon (AVX-512), whole forwards of
+  Qwen2.5-1.5B over 1 / 4 / 9 / 16 tokens cost 230 / 269 / 327 / 387 ms, against MKL's 230 / 453 /
+  628 / 668 (and 461 / 473 / 518 asked as weight @ x.T).
 - `_small_batch_linear`, our numba kernel: each weight row is read once and dotted with every
   input row while it sits in L1 (up to `SMALL_BATCH_ROWS`). On the EPYC: SmolLM2 forwards of 1,
   2, 4 tokens 51 / 55 / 57 ms against MKL's 63 / 113 / 104; on the Xeon 47 / 56 / 69.
@@ -51,6 +55,7 @@ import tempfile
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +72,8 @@ from ..tensor_parallel import tensor_parallel_group
 SMALL_BATCH_ROWS = 12
 # the row counts "auto" times every route at; a linear of r rows takes the route measured for the
 # smallest of these >= r, and more rows than the last go to torch's BLAS
-PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-# a timing pass streams up to this much of the model's weights: more than a CPU's last-level cache,
+PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)
+# a timing pass streams at least this much of the model's weights (`_plan_bytes`: more than the CPU's last-level cache),
 # so it is bound by memory as a real forward is (a pass over cached weights favours other routes)
 PLAN_BYTES = 256 * 2**20
 PLAN_REPEATS = 3
@@ -85,7 +90,7 @@ PER_LINEAR, WHOLE_FORWARD = "per-linear", "whole-forward"  # what a plan's passe
 # other than 0 / false / no in REPLAN_ENV makes each process time its plans again (and store them)
 PLAN_FOLDER = "cpu_linear_plans"
 REPLAN_ENV = "HF_SPECDEC_REPLAN_LINEARS"
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # 2: the oneDNN route runs on packed weights
 
 
 @numba.njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)
@@ -128,10 +133,54 @@ def _inference_fp32_cpu(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
 
 
+# each linear's weight in oneDNN's own blocked layout, made on its first oneDNN call and kept while
+# the module lives, with the (storage, version) of the weight it was made from: a weight changed in
+# place (training, load_state_dict) or replaced is packed again
+_PACKED_WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[tuple[int, int], torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+# a weight is packed only while the machine keeps this much memory available beyond its packed copy
+PACK_MEMORY_MARGIN = 2 * 2**30
+
+
+def _available_memory() -> int | None:
+    """Bytes the kernel reports available (MemAvailable of /proc/meminfo); None where it cannot tell."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def _packed_weight(linear: torch.nn.Linear) -> torch.Tensor:
+    """`linear.weight` in oneDNN's blocked layout (packed once, `_PACKED_WEIGHTS`), or the weight
+    itself (oneDNN then packs it per call, as before) where a copy would leave less than
+    `PACK_MEMORY_MARGIN` available: the packed copy is as large as the weight."""
+    weight = linear.weight
+    stamp = (weight.data_ptr(), weight._version)
+    held = _PACKED_WEIGHTS.get(linear)
+    if held is not None and held[0] == stamp:
+        return held[1]
+    available = _available_memory()
+    if available is not None and available < weight.numel() * weight.element_size() + PACK_MEMORY_MARGIN:
+        _PACKED_WEIGHTS.pop(linear, None)
+        return weight
+    packed = _reorder(weight.detach())
+    _PACKED_WEIGHTS[linear] = (stamp, packed)
+    return packed
+
+
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not _inference_fp32_cpu(x):
         return torch.nn.functional.linear(x, self.weight, self.bias)  # the op has no autograd
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _packed_weight(self), self.bias, "none", [], "")
 
 
 def _torch_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -180,21 +229,24 @@ class BackendPlan:
     source: str = field(default="timed", compare=False)  # "timed" in this process, or "stored" (read from `path`)
     path: str | None = field(default=None, compare=False)  # the file it is stored in, if it is
     key: dict | None = field(default=None, compare=False, repr=False)  # `plan_key` of the linears it was made for
+    # per-linear plans: each weight shape ("out x in", `shape_name`) timed on its own, with its own
+    # fastest route per row count where it differs from `backends` (the fastest for all linears
+    # together). Why: on a 2-core Xeon at 4 rows SmolLM2's LM head is 2x faster on oneDNN while its
+    # decoder linears are faster on MKL; at 24 rows Qwen2.5-1.5B's linears take three routes.
+    shape_backends: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
-    def backend_for(self, rows: int) -> str:
-        """The route measured at the smallest row count >= `rows`; "torch" past the last one."""
+    def backend_for(self, rows: int, shape: str | None = None) -> str:
+        """The route measured at the smallest row count >= `rows` (for linears of `shape`, where
+        the plan has one of its own); "torch" past the last one."""
         index = bisect.bisect_left(self.rows, rows)
-        return self.backends[index] if index < len(self.rows) else "torch"
+        return self.shape_backends.get(shape, self.backends)[index] if index < len(self.rows) else "torch"
 
     def describe(self) -> str:
-        """E.g. "rows 1-3: torch, 4: numba, 5-32: onednn, more: torch"."""
-        spans, first = [], 1
-        for index, (rows, backend) in enumerate(zip(self.rows, self.backends)):
-            if index + 1 < len(self.rows) and self.backends[index + 1] == backend:
-                continue
-            spans.append(f"{first}{'' if first == rows else f'-{rows}'}: {backend}")
-            first = rows + 1
-        return "rows " + ", ".join(spans) + ", more: torch"
+        """E.g. "rows 1-3: torch, 4: numba, 5-32: onednn, more: torch; 49152x576: rows 1: torch, 2-32:
+        onednn, more: torch" (the shapes whose routes differ from all linears' together)."""
+        text = _describe_routes(self.rows, self.backends)
+        return "; ".join([text] + [f"{shape}: {_describe_routes(self.rows, routes)}"
+                                   for shape, routes in sorted(self.shape_backends.items()) if routes != self.backends])  # fmt: skip
 
     def table(self) -> str:
         """The timings (ms, fastest pass of each route) and the route chosen, one line per row count."""
@@ -209,29 +261,65 @@ class BackendPlan:
         return "\n".join(lines)
 
 
-# pass timer: (route, rows, linears) -> seconds for one forward of every linear with `rows` input rows
-PassTimer = Callable[[str, int, Sequence[torch.nn.Linear]], float]
+def _describe_routes(rows: Sequence[int], backends: Sequence[str]) -> str:
+    spans, first = [], 1
+    for index, (count, backend) in enumerate(zip(rows, backends)):
+        if index + 1 < len(rows) and backends[index + 1] == backend:
+            continue
+        spans.append(f"{first}{'' if first == count else f'-{count}'}: {backend}")
+        first = count + 1
+    return "rows " + ", ".join(spans) + ", more: torch"
+
+
+def shape_name(linear: torch.nn.Linear) -> str:
+    """A linear's weight shape as plans name it: "out_features x in_features", e.g. "49152x576"."""
+    return f"{linear.out_features}x{linear.in_features}"
+
+
+# pass timer: (route, rows, linears) -> seconds for one forward of every linear with `rows` input rows,
+# in all or by weight shape
+PassTimer = Callable[[str, int, Sequence[torch.nn.Linear]], float | dict[str, float]]
 _PLANS: dict[str, BackendPlan] = {}  # by plan key (`plan_key`, as JSON): loaded or timed once per process
 
 
 def _time_pass(
     backend: str, rows: int, linears: Sequence[torch.nn.Linear], weights: Sequence[float] | None = None
-) -> float:
-    """Seconds for one call of every linear with `rows` input rows; with `weights`, each linear's
-    time counts that many times (a sample standing for all the linears of a network)."""
+) -> dict[str, float]:
+    """Seconds for one call of every linear with `rows` input rows, in their order, by weight shape
+    (`shape_name`); with `weights`, each linear's time counts that many times (a sample standing
+    for all the linears of a network). Every shape is timed inside the one pass over all of them,
+    so that each streams its weights from memory as in a forward (a pass over one shape's few
+    linears would time them from the cache)."""
     inputs = {n: torch.randn(1, rows, n) for n in {linear.in_features for linear in linears}}
     forward = _FORWARDS[backend]
-    if weights is None:
-        started = time.perf_counter()
-        for linear in linears:
-            forward(linear, inputs[linear.in_features])
-        return time.perf_counter() - started
-    total = 0.0
-    for linear, weight in zip(linears, weights):
+    by_shape: dict[str, float] = {}
+    for index, linear in enumerate(linears):
         started = time.perf_counter()
         forward(linear, inputs[linear.in_features])
-        total += weight * (time.perf_counter() - started)
-    return total
+        seconds = (time.perf_counter() - started) * (1.0 if weights is None else weights[index])
+        by_shape[shape_name(linear)] = by_shape.get(shape_name(linear), 0.0) + seconds
+    return by_shape
+
+
+def _total(seconds: float | dict[str, float]) -> float:
+    """A pass's seconds: a pass timer gives them in all (a whole forward) or by weight shape."""
+    return sum(seconds.values()) if isinstance(seconds, dict) else seconds
+
+
+@functools.cache
+def _plan_bytes() -> int:
+    """How much of a network's weights a timing pass streams: `PLAN_BYTES`, or twice the CPU's
+    last-level cache where that is larger (a VM on a 2-core slice of a Xeon reports the host's
+    480 MiB L3: passes over 256 MiB timed the routes on cached weights, and picked MKL's weight @ x.T
+    for Qwen2.5-1.5B's MLP at 9 rows, 1.5x slower than oneDNN there in real forwards)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+            sizes.append((level, int(size[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[size[-1]]))
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return max(PLAN_BYTES, 2 * max(sizes)[1]) if sizes else PLAN_BYTES
 
 
 def _sample(linears: Sequence[torch.nn.Linear]) -> tuple[list[torch.nn.Linear], list[float] | None]:
@@ -242,9 +330,10 @@ def _sample(linears: Sequence[torch.nn.Linear]) -> tuple[list[torch.nn.Linear], 
     comes last): on SmolLM2 a fifth of a forward's weights, and a shape whose best route differs
     (on a 2-core Xeon oneDNN from 4 rows, where the decoder layers' linears prefer MKL)."""
     sizes = [linear.weight.numel() * linear.weight.element_size() for linear in linears]
-    if sum(sizes) <= PLAN_BYTES:
+    budget = _plan_bytes()
+    if sum(sizes) <= budget:
         return list(linears), None
-    fraction = PLAN_BYTES / sum(sizes)
+    fraction = budget / sum(sizes)
     groups: dict[tuple, list[torch.nn.Linear]] = {}
     for linear in linears:
         groups.setdefault((linear.in_features, linear.out_features, linear.bias is not None), []).append(linear)
@@ -349,6 +438,8 @@ def plan_backends(
     `time_pass` times: whole forwards, `_whole_forward_timer`) at each row count; the fastest of
     `repeats` passes, taken in a rotating order so that drift hits every route alike, picks the
     route for that count. The fastest pass, not the median: a disturbance only ever adds time.
+    Where `time_pass` times each weight shape too (`_time_pass`), each shape also gets the route
+    fastest for it (`BackendPlan.shape_backends`, from its fastest time among the passes).
 
     A row count during which other processes took our cores (`_CpuWatch`: such a disturbance slows
     the routes unequally, so no pass of it can be trusted) is timed again, up to `PLAN_RETRIES`
@@ -358,11 +449,12 @@ def plan_backends(
     routes = _routes()
     started = time.perf_counter()
     chosen, timings, disturbed, retried_s = [], {}, [], 0.0
+    shape_timings: dict[str, dict[int, dict[str, float]]] = {}  # shape -> rows -> route -> fastest seconds
     with torch.no_grad():
         for route in routes:  # first calls pay one-time costs (numba loading its kernel, starting its threads)
-            previous = time_pass(route, 1, linears)
+            previous = _total(time_pass(route, 1, linears))
             for _ in range(WARM_UP_PASSES - 1):  # until a pass costs what the one before did
-                latest = time_pass(route, 1, linears)
+                latest = _total(time_pass(route, 1, linears))
                 if latest > 0.8 * previous:
                     break
                 previous = latest
@@ -374,7 +466,7 @@ def plan_backends(
                     break  # a machine that stayed busy: no more waiting for it
                 attempt_started = time.perf_counter()
                 watch = _CpuWatch()
-                seconds: dict[str, list[float]] = {route: [] for route in candidates}
+                seconds: dict[str, list[float | dict[str, float]]] = {route: [] for route in candidates}
                 for repeat in range(repeats):
                     shift = repeat % len(candidates)
                     for route in candidates[shift:] + candidates[:shift]:
@@ -388,11 +480,19 @@ def plan_backends(
                     break
             if best_busy is not None and best_busy > BUSY_CORES:
                 disturbed.append(count)
-            timings[count] = {route: min(values) for route, values in best.items()}
+            timings[count] = {route: min(map(_total, values)) for route, values in best.items()}
             chosen.append(min(candidates, key=lambda route: timings[count][route]))
+            for route, values in best.items():
+                for one_pass in values:
+                    for shape, shape_seconds in (one_pass.items() if isinstance(one_pass, dict) else ()):
+                        fastest = shape_timings.setdefault(shape, {}).setdefault(count, {})
+                        fastest[route] = min(fastest.get(route, shape_seconds), shape_seconds)
+    shape_backends = {
+        shape: tuple(min(by_rows[count], key=by_rows[count].get) for count in rows) for shape, by_rows in shape_timings.items()
+    } if len(shape_timings) > 1 else {}  # fmt: skip
     return BackendPlan(
         rows=tuple(rows), backends=tuple(chosen), timings=timings, method=method, disturbed=tuple(disturbed),
-        seconds=time.perf_counter() - started,
+        seconds=time.perf_counter() - started, shape_backends=shape_backends,
     )  # fmt: skip
 
 
@@ -454,7 +554,13 @@ def _load_plan(key: dict) -> BackendPlan | None:
         backends = tuple(str(backend) for backend in stored["backends"])
         if not rows or len(rows) != len(backends) or list(rows) != sorted(set(rows)) or rows[0] < 1:
             raise ValueError(f"rows {list(rows)} and routes {list(backends)} do not form a plan")
-        unknown = set(backends) - set(key["routes"])
+        shape_backends = {
+            str(shape): tuple(str(backend) for backend in routes)
+            for shape, routes in stored.get("shape_backends", {}).items()
+        }
+        if any(len(routes) != len(rows) for routes in shape_backends.values()):
+            raise ValueError(f"a shape's routes {shape_backends} do not match the row counts {list(rows)}")
+        unknown = (set(backends) | {route for routes in shape_backends.values() for route in routes}) - set(key["routes"])
         if unknown:
             raise ValueError(f"routes {sorted(unknown)} are not among {key['routes']}")
         timings = {
@@ -471,7 +577,10 @@ def _load_plan(key: dict) -> BackendPlan | None:
             stacklevel=3,
         )
         return None
-    return BackendPlan(rows, backends, timings, method, seconds=seconds, source="stored", path=str(path), key=key)
+    return BackendPlan(
+        rows, backends, timings, method, seconds=seconds, source="stored", path=str(path), key=key,
+        shape_backends=shape_backends,
+    )  # fmt: skip
 
 
 def _store_plan(key: dict, plan: BackendPlan) -> str | None:
@@ -488,6 +597,7 @@ def _store_plan(key: dict, plan: BackendPlan) -> str | None:
         "plan": {
             "rows": list(plan.rows),
             "backends": list(plan.backends),
+            "shape_backends": {shape: list(routes) for shape, routes in plan.shape_backends.items()},
             "text": plan.describe(),
             "method": plan.method,
             "timings_ms": {
@@ -545,8 +655,7 @@ def _plan_for(
         plan = plan_backends(linears, rows, _whole_forward_timer(network, linears), repeats, method=WHOLE_FORWARD)
     else:
         sample, weights = _sample(linears)
-        timer = _time_pass if weights is None else functools.partial(_time_pass, weights=weights)
-        plan = plan_backends(sample, rows, timer, repeats)
+        plan = plan_backends(sample, rows, functools.partial(_time_pass, weights=weights), repeats)
     if plan.disturbed:
         warnings.warn(
             f"other processes took this machine's cores while the CPU linear routes were timed at {list(plan.disturbed)} "
@@ -615,8 +724,8 @@ def _planned_forward(self: torch.nn.Linear, routes: tuple, x: torch.Tensor) -> t
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-def _route_table(plan: BackendPlan) -> tuple:
-    return tuple(_FORWARDS[plan.backend_for(rows)] for rows in range(plan.rows[-1] + 1))
+def _route_table(plan: BackendPlan, shape: str | None = None) -> tuple:
+    return tuple(_FORWARDS[plan.backend_for(rows, shape)] for rows in range(plan.rows[-1] + 1))
 
 
 def resolve_backend(backend: str, modules: Iterable[torch.nn.Module]) -> str:
@@ -695,12 +804,16 @@ def fast_cpu_linears(*modules: torch.nn.Module, backend: str = "auto") -> Iterat
     with _numba_threads_like_torch():
         try:
             for network, linears in networks:
-                routes = _route_table(_plan_for(network, linears)) if backend == "auto" and linears else None
+                plan = _plan_for(network, linears) if backend == "auto" and linears else None
+                tables = {}  # by shape
                 for linear in linears:
-                    if routes is None:
+                    if plan is None:
                         linear.forward = types.MethodType(_FORWARDS[backend], linear)
                     else:
-                        linear.forward = functools.partial(_planned_forward, linear, routes)
+                        shape = shape_name(linear)
+                        if shape not in tables:
+                            tables[shape] = _route_table(plan, shape)
+                        linear.forward = functools.partial(_planned_forward, linear, tables[shape])
             yield
         finally:
             for linear in patched:
