@@ -77,7 +77,8 @@ def summarize(results: dict) -> str:
                 f"{parts['logits_processing']:.1f}, sampling {parts['sampling']:.1f}, emit {parts['emit']:.1f}, glue "
                 f"{parts['glue']:.1f}; plain {profile['plain_step_ms']:.1f} ms  c {profile['c'] or 0:.3f}  "
                 f"predicted {profile['predicted_speedup']:.2f}x  measured {profile['measured_speedup']:.2f}x "
-                f"(x plain {arm['ratio_vs_plain']:.2f})  ratio {profile['measured_over_predicted']:.2f}; forward "
+                f"(x plain {arm['ratio_vs_plain']:.2f})  ratio {profile['measured_over_predicted']:.2f}; decode "
+                f"{profile.get('decode_speedup') or 0:.2f}x, ratio {profile.get('decode_over_predicted') or 0:.2f}; forward "
                 f"bound {profile['forward_bound_speedup']:.2f}x, ratio {profile['measured_over_forward_bound']:.2f}, "
                 f"loop {profile['loop_overhead']:.1%} of a plain step, {profile['mean_rows_per_step']:.1f} rows a step"
             )

@@ -102,12 +102,13 @@ def test_prediction_is_the_seed_formula_for_a_full_chain():
     runs.profile.num_steps = steps
     plain_step_s, draft_s = 0.020, 0.004  # each step's drafter forwards: 0.2 plain steps, c = 0.05
     runs.profile.seconds.update(draft_forward=draft_s * steps, verify_forward=0.021 * steps, emit=0.001 * steps)
-    summary = profile_summary(runs, plain_step_s, measured_ratio=2.0)
+    summary = profile_summary(runs, plain_step_s, measured_ratio=2.0, decode_ratio=2.2)
     assert summary["c"] == pytest.approx(0.05)
     assert summary["alpha_fit"] == pytest.approx(alpha, abs=1e-3)
     expected = predicted_speedup(alpha, 0.05, k)
     assert summary["predicted_speedup"] == pytest.approx(expected, rel=1e-3)
     assert summary["measured_over_predicted"] == pytest.approx(2.0 / expected, rel=1e-3)
+    assert summary["decode_over_predicted"] == pytest.approx(2.2 / expected, rel=1e-3)
     assert summary["per_step_ms"]["total"] == pytest.approx(26.0)
     assert summary["per_step_plain_steps"]["verify_forward"] == pytest.approx(1.05)
     # with the forwards as measured (0.2 + 1.05 plain steps) and nothing else; the emit is the loop's own
@@ -132,9 +133,11 @@ def test_bench_profile_and_temperature(model_folder, prompts_file, tmp_path, cap
     assert profile["measured_over_predicted"] == pytest.approx(
         arms["ours"]["ratio_vs_plain_fast_linears"] / profile["predicted_speedup"]
     )
+    assert profile["decode_speedup"] == arms["ours"]["decode_ratio"] > 0
+    assert profile["decode_over_predicted"] == pytest.approx(arms["ours"]["decode_ratio"] / profile["predicted_speedup"])
     assert arms["ours"]["rows"] == 0  # sampled: not compared token for token
     table = capsys.readouterr().out
-    assert "sampled at temperature 0.7" in table and "meas/pred" in table
+    assert "sampled at temperature 0.7" in table and "meas/pred" in table and "decode/pred" in table
     assert "plain: not our loop: no breakdown" in table
 
 

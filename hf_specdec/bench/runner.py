@@ -58,6 +58,7 @@ class ArmRuns:
     seconds: list[float] = field(default_factory=list)
     new_tokens: list[int] = field(default_factory=list)  # every row's, up to EOS
     longest_row: list[int] = field(default_factory=list)  # new tokens of the longest row
+    batch_rows: list[int] = field(default_factory=list)  # rows of the batch
     forwards: list[int] = field(default_factory=list)  # target forwards of the full call
     metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)  # ours: merged spec_metrics
     profile: StepProfile = field(default_factory=StepProfile)  # ours with --profile: decode steps by part
@@ -67,6 +68,13 @@ class ArmRuns:
 
     def tokens_per_s(self) -> list[float]:
         return [n / s for n, s in zip(self.new_tokens, self.seconds)]
+
+    def decode_tokens_per_s(self) -> list[float]:
+        """Per batch: the tokens after each row's first over the seconds after the first token (the
+        run's less its TTFT): the decode phase alone, which the seed's formula prices."""
+        return [
+            (n - rows) / (s - t) for n, rows, s, t in zip(self.new_tokens, self.batch_rows, self.seconds, self.ttft_s)
+        ]
 
     def decode_step_s(self) -> float | None:
         """Seconds per forward after the first (the prompt's), pooled over batches."""
@@ -108,6 +116,7 @@ def run_benchmark(
             ]
             runs[arm.name].new_tokens.append(sum(len(row) for row in generated[arm.name]))
             runs[arm.name].longest_row.append(max(len(row) for row in generated[arm.name]))
+            runs[arm.name].batch_rows.append(len(generated[arm.name]))
         first_prompt = index * settings.batch_size
         for arm in arms[1:] if settings.temperature is None else ():  # sampled rows differ draw for draw
             _compare_with_plain(
@@ -270,12 +279,19 @@ def summarize(
             ) / 1e9
         if fast_rates is not None:
             summary["ratio_vs_plain_fast_linears"] = statistics.median(r / p for r, p in zip(rates, fast_rates))
+        # the same without the prefill (equal in every arm, and no part of a decode step)
+        summary["decode_ratio"] = statistics.median(
+            r / p for r, p in zip(arm_runs.decode_tokens_per_s(), (fast or plain).decode_tokens_per_s())
+        )
         if arm_runs.arm.k is not None:
             summary.update(_speculation_summary(arm_runs, plain_step))
             summary["verify_cost"] = (verify_costs or {}).get(name)
         if settings.profile:
             summary["profile"] = (
-                profile_summary(arm_runs, plain_step, summary.get("ratio_vs_plain_fast_linears", summary["ratio_vs_plain"]))
+                profile_summary(
+                    arm_runs, plain_step, summary.get("ratio_vs_plain_fast_linears", summary["ratio_vs_plain"]),
+                    summary["decode_ratio"],
+                )
                 if arm_runs.arm.k is not None
                 else "not our loop: no breakdown (only ours' arms are profiled)"
             )
