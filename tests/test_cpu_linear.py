@@ -120,7 +120,8 @@ def test_onednn_route_does_not_pack_where_memory_is_short(monkeypatch):
     layer = torch.nn.Linear(64, 32)
     x = torch.randn(3, 64)
     monkeypatch.setattr(cpu_linear, "_available_memory", lambda: cpu_linear.PACK_MEMORY_MARGIN)
-    with torch.no_grad(), fast_cpu_linears(layer, backend="onednn"):
+    monkeypatch.setattr(cpu_linear, "_UNPACKED_WARNED", [])
+    with torch.no_grad(), fast_cpu_linears(layer, backend="onednn"), pytest.warns(UserWarning, match="too little to keep"):
         got = layer(x)
     assert layer not in cpu_linear._PACKED_WEIGHTS  # oneDNN packs per call instead
     torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)

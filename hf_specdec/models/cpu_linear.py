@@ -141,6 +141,7 @@ _PACKED_WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[tuple[int, int
 )
 # a weight is packed only while the machine keeps this much memory available beyond its packed copy
 PACK_MEMORY_MARGIN = 2 * 2**30
+_UNPACKED_WARNED: list[bool] = []  # whether `_warn_unpacked` has warned in this process
 
 
 def _available_memory() -> int | None:
@@ -159,6 +160,19 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
+def _warn_unpacked(available: int) -> None:
+    """Once per process: which weights are left unpacked and why."""
+    if _UNPACKED_WARNED:
+        return
+    _UNPACKED_WARNED.append(True)
+    warnings.warn(
+        f"cpu_linear: {available / 2**30:.1f} GiB of memory available, too little to keep oneDNN's packed copy of "
+        f"a linear's weight (PACK_MEMORY_MARGIN {PACK_MEMORY_MARGIN / 2**30:.0f} GiB beyond it): oneDNN packs such "
+        "weights on every call, slower for few rows",
+        stacklevel=4,
+    )
+
+
 def _packed_weight(linear: torch.nn.Linear) -> torch.Tensor:
     """`linear.weight` in oneDNN's blocked layout (packed once, `_PACKED_WEIGHTS`), or the weight
     itself (oneDNN then packs it per call, as before) where a copy would leave less than
@@ -171,6 +185,7 @@ def _packed_weight(linear: torch.nn.Linear) -> torch.Tensor:
     available = _available_memory()
     if available is not None and available < weight.numel() * weight.element_size() + PACK_MEMORY_MARGIN:
         _PACKED_WEIGHTS.pop(linear, None)
+        _warn_unpacked(available)
         return weight
     packed = _reorder(weight.detach())
     _PACKED_WEIGHTS[linear] = (stamp, packed)
