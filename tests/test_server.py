@@ -214,6 +214,73 @@ def test_stop_string_cuts_the_text(client, tokenizer, reference):
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def plain_logprobs(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Plain greedy generate()'s tokens and the log-softmax of its raw logits at each."""
+    out = plain_generate(
+        model, input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    return out.sequences[0, len(prompt_ids) :].tolist(), torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+
+
+def test_completion_logprobs_are_the_models(client, tokenizer, reference):
+    prompt_ids = ids(tokenizer, PROMPTS[1])
+    tokens, expected = plain_logprobs(reference, prompt_ids, 24)
+    reply = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=24, temperature=0, logprobs=3)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=True) for t in tokens]
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(tokens))]
+    chosen = expected.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(logprobs.token_logprobs), chosen, atol=1e-4, rtol=0)
+    top_values, top_ids = expected.topk(3)
+    for position, top in enumerate(logprobs.top_logprobs):  # greedy: the chosen token is the likeliest
+        assert list(top) == [tokenizer.decode([t]) for t in top_ids[position].tolist()]
+        torch.testing.assert_close(torch.tensor(list(top.values())), top_values[position], atol=1e-4, rtol=0)
+    none = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    zero = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=0)
+    assert none.choices[0].logprobs is None and zero.choices[0].logprobs.top_logprobs == [{}] * 4
+
+
+def test_chat_logprobs_streamed_and_whole_and_cut_by_a_stop_string(client, tokenizer, reference):
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    template = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(template, add_special_tokens=False).input_ids
+    tokens, expected = plain_logprobs(reference, prompt_ids, 20)
+    options = {"model": MODEL_NAME, "messages": messages, "max_tokens": 20, "temperature": 0, "logprobs": True}
+    whole = client.chat.completions.create(**options, top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    assert [entry.token for entry in content] == [tokenizer.decode([t], skip_special_tokens=True) for t in tokens]
+    assert all(entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 2 for entry in content)
+    chosen = expected.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([entry.logprob for entry in content]), chosen, atol=1e-4, rtol=0)
+    chunks = list(client.chat.completions.create(**options, top_logprobs=2, stream=True))
+    streamed = [entry for chunk in chunks if chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert all(  # each chunk carries the log-probabilities of the tokens its text completes
+        "".join(e.token for e in chunk.choices[0].logprobs.content).startswith(chunk.choices[0].delta.content or "")
+        for chunk in chunks[1:] if chunk.choices[0].logprobs
+    )
+    assert all(not entry.top_logprobs for entry in client.chat.completions.create(**options).choices[0].logprobs.content)
+    # a stop string starting inside a token's text (first found there): the text ends there, and the
+    # log-probabilities at that token
+    text = whole.choices[0].message.content
+    ends = [len("".join(entry.token for entry in content[: i + 1])) for i in range(len(content))]
+    token, stop_at = next(
+        (i, ends[i - 1] + 1) for i in range(5, len(content)) if text.index(text[ends[i - 1] + 1 : ends[i - 1] + 4]) == ends[i - 1] + 1
+    )
+    cut = client.chat.completions.create(**options, stop=text[stop_at : stop_at + 3])
+    assert cut.choices[0].message.content == text[:stop_at] and cut.choices[0].finish_reason == "stop"
+    assert [entry.token for entry in cut.choices[0].logprobs.content] == [entry.token for entry in content[: token + 1]]
+
+
+def test_engine_refuses_bad_logprobs():
+    engine = SpeculativeEngine(build_tiny_llama(), ngram_config(k=2), max_batch_size=2)
+    for bad in (-1, 21, 2.0, True):
+        with pytest.raises(ValueError, match="logprobs must be an integer from 0 to 20"):
+            engine.add_request([5, 6, 7], {"max_new_tokens": 4}, logprobs=bad)
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
@@ -223,7 +290,8 @@ def test_stop_string_cuts_the_text(client, tokenizer, reference):
         ({"prompt": "w5", "temperature": -0.5}, "temperature", ["greater than or equal to 0"]),
         ({"prompt": "w5", "top_p": 0}, "top_p", ["greater than 0"]),
         ({"prompt": "w5", "n": 2}, "n", ["allowed: 1"]),
-        ({"prompt": "w5", "logprobs": 2}, "logprobs", ["unknown or unsupported"]),
+        ({"prompt": "w5", "logprobs": 6}, "logprobs", ["less than or equal to 5"]),
+        ({"prompt": "w5", "echo": True}, "echo", ["unknown or unsupported"]),
         ({"prompt": ""}, "prompt", ["allowed"]),
         ({"prompt": [5, 500]}, "prompt", ["outside the vocabulary", "0 to 127"]),
         ({"prompt": " ".join(["w9"] * MAX_MODEL_LEN)}, "prompt", ["512 tokens", "at most 511"]),
@@ -252,6 +320,11 @@ def test_bad_chat_requests_and_bad_json(server):
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_completion_tokens"
     response = post({"messages": []})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    response = post({"messages": [{"role": "user", "content": "w5"}], "top_logprobs": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+    assert "allowed only with logprobs=true" in response.json()["error"]["message"]
+    response = post({"messages": [{"role": "user", "content": "w5"}], "logprobs": True, "top_logprobs": 21})
+    assert response.status_code == 400 and "less than or equal to 20" in response.json()["error"]["message"]
     response = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "w5", ', headers={"content-type": "application/json"})
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
     response = httpx.post(f"{server}/v1/completions", json={"model": "gpt-4", "prompt": "w5"})

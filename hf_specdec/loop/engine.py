@@ -72,8 +72,21 @@ DEFAULT_MAX_MODEL_LEN = 4096
 # num_kv_blocks when not given: room for every row to hold this many tokens (longer requests wait
 # for blocks that shorter ones leave free); ~1.5 GB of fp32 K/V for SmolLM2-135M at 16 rows
 DEFAULT_TOKENS_PER_ROW = 2048
+# the most alternatives a request may ask log-probabilities of, per token (OpenAI's chat limit)
+MAX_TOP_LOGPROBS = 20
 # generate()'s assisted-generation options: they would run transformers' own speculation instead
 ASSISTED_OPTIONS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+
+
+@dataclass
+class TokenLogprob:
+    """An emitted token's log-probability under the target's distribution (its raw logits, before the
+    request's temperature, top-k / top-p or penalties, as vLLM reports by default), and the
+    `top` most likely tokens' at that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -87,6 +100,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" (eos, stop string), "length" (max_new_tokens), "error"
     error: str | None = None  # with finish_reason "error": what went wrong
+    logprobs: list[TokenLogprob] | None = None  # of `new_token_ids`, for a request that asked for them
 
 
 @dataclass
@@ -99,6 +113,7 @@ class _Request:
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None  # None: greedy
     num_blocks: int  # KV blocks reserved at admission
+    num_top_logprobs: int | None = None  # None: no log-probabilities; else the alternatives per token
     output: list[int] = field(default_factory=list)
 
 
@@ -221,13 +236,16 @@ class SpeculativeEngine:
         *,
         seed: int | None = None,
         request_id: str | None = None,
+        logprobs: int | None = None,
     ) -> str:
         """Queue a request; it joins the batch at a step boundary. Returns its id.
 
         `generation_config`: a transformers `GenerationConfig`, or a dict of its fields over the
         model's own (`max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
         `repetition_penalty`, `eos_token_id`, `stop_strings`, ...). `seed`: the sampled request's
-        own generator (None: a random seed). ValueError naming the field for bad input.
+        own generator (None: a random seed). `logprobs`: each output token's log-probability and
+        those of the `logprobs` most likely tokens (0 to `MAX_TOP_LOGPROBS`; `TokenLogprob`).
+        ValueError naming the field for bad input.
         """
         if self._row_processors is None:
             raise RuntimeError("this engine runs generate()'s fixed batch; it takes no requests")
@@ -259,6 +277,10 @@ class SpeculativeEngine:
             raise ValueError(f"request_id={request_id!r} must be a string not already in use")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed must be an integer, got {seed!r}")
+        if logprobs is not None and (
+            not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} or None, got {logprobs!r}")
         generator = None
         if config.do_sample:
             seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item())
@@ -275,7 +297,7 @@ class SpeculativeEngine:
         self._waiting.append(
             _Request(
                 request_id, prompt, max_length, processors, self._stop_checker_for(criteria, eos_token_ids),
-                eos_token_ids, generator, num_blocks,
+                eos_token_ids, generator, num_blocks, logprobs,
             )
         )  # fmt: skip
         return request_id
@@ -358,13 +380,14 @@ class SpeculativeEngine:
             self.k_controller.begin_call()  # a step that feeds prompts says nothing about decoding speed
         started = time.perf_counter()
         try:
-            emitted = self.decode_step()
+            # the emitted tokens' logits are gathered only for a step where some request reads them
+            emitted = self.decode_step(keep_logits=any(r.num_top_logprobs is not None for r in self._running.values()))
         except Exception as error:  # one step's failure ends its requests, not the engine
             logger.exception("speculative step failed; ending the %d running request(s)", len(self._running))
             return self._fail_running(error)
         self.metrics.total_seconds += time.perf_counter() - started
         outputs = []
-        for row, tokens, _, _ in emitted:
+        for row, tokens, raw_logits, _ in emitted:
             request = self._running[row]
             new = tokens.tolist()
             request.output.extend(new)
@@ -372,6 +395,9 @@ class SpeculativeEngine:
             outputs.append(RequestOutput(
                 request.request_id, new, list(request.output), len(request.prompt), finished,
                 self._finish_reason(request, row) if finished else None,
+                logprobs=None if request.num_top_logprobs is None else token_logprobs(
+                    raw_logits, new, request.num_top_logprobs
+                ),
             ))  # fmt: skip
             if finished:  # the step freed its cache row and drafter state
                 self._free_slot(row)
@@ -478,6 +504,18 @@ class SpeculativeEngine:
         for request in list(self._requests()):
             self.abort(request.request_id)
         self._release_model()
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the logits of its position (a row each), and the `num_top`
+    most likely tokens' (log-softmax in float32 over the whole vocabulary)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
+    return [
+        TokenLogprob(token, value, list(zip(ids, values)))
+        for token, value, ids, values in zip(token_ids, chosen, top_ids.tolist(), top_values.tolist())
+    ]
 
 
 def model_max_length(model: PreTrainedModel) -> int:

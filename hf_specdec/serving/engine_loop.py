@@ -51,6 +51,7 @@ class _Add:
     seed: int | None
     event_loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
+    logprobs: int | None = None
 
 
 @dataclass
@@ -88,11 +89,15 @@ class EngineLoop:
         """`run` was interrupted (Ctrl-C on the main thread): every open request gets a 503 EngineError."""
         self._end_all(EngineError("the server is shutting down", 503))
 
-    def add(self, request_id: str, prompt_ids: list[int], generation_config: Any, seed: int | None) -> asyncio.Queue:
-        """Queues the request; returns the asyncio queue its outputs (or an EngineError) arrive on.
-        Call from the event loop's thread."""
+    def add(
+        self, request_id: str, prompt_ids: list[int], generation_config: Any, seed: int | None, logprobs: int | None = None
+    ) -> asyncio.Queue:
+        """Queues the request (`SpeculativeEngine.add_request`'s arguments); returns the asyncio queue its
+        outputs (or an EngineError) arrive on. Call from the event loop's thread."""
         outputs: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request_id, prompt_ids, generation_config, seed, asyncio.get_running_loop(), outputs))
+        self._commands.put(
+            _Add(request_id, prompt_ids, generation_config, seed, asyncio.get_running_loop(), outputs, logprobs)
+        )
         return outputs
 
     def abort(self, request_id: str) -> None:
@@ -129,7 +134,8 @@ class EngineLoop:
         sink = (command.event_loop, command.outputs)
         try:
             self.engine.add_request(
-                command.prompt_ids, command.generation_config, seed=command.seed, request_id=command.request_id
+                command.prompt_ids, command.generation_config, seed=command.seed, request_id=command.request_id,
+                logprobs=command.logprobs,
             )
         except ValueError as error:  # the engine's own checks of the request: the client's error
             self._send(sink, EngineError(str(error), 400))

@@ -8,11 +8,12 @@ are allowed instead of listing one pydantic error per shape.
 
 Supported: model (the served model's name, or left out), prompt / messages (roles system, user,
 assistant; text content), max_tokens (chat: or max_completion_tokens), temperature (0: greedy),
-top_p, seed, stop, stream, stream_options.include_usage, n (1 only), and vLLM's extensions top_k,
-min_p, repetition_penalty. Accepted and ignored, because by definition it does not change the
-output: `user` (an end-user id for the provider's abuse monitoring). Anything else is refused with
-a 400 naming the field (logprobs, echo, suffix, best_of, presence / frequency penalties,
-logit_bias, tools, response_format, ...: not implemented).
+top_p, seed, stop, stream, stream_options.include_usage, n (1 only), logprobs (completions: 0 to 5
+alternatives; chat: logprobs true with top_logprobs 0 to 20), and vLLM's extensions top_k, min_p,
+repetition_penalty. Accepted and ignored, because by definition it does not change the output:
+`user` (an end-user id for the provider's abuse monitoring). Anything else is refused with a 400
+naming the field (echo, suffix, best_of, presence / frequency penalties, logit_bias, tools,
+response_format, ...: not implemented).
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)  # each token's, and this many alternatives' (OpenAI's limit)
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """The engine's `logprobs` for this request: None (none asked), else the alternatives per token."""
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -117,6 +124,20 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False  # each token's log-probability
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # and this many alternatives' (OpenAI's limit)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("allowed only with logprobs=true")
+        return top
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """The engine's `logprobs` for this request: None (none asked), else the alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import json
 import secrets
 import signal
@@ -29,6 +30,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -152,8 +154,8 @@ def build_app(
             max_tokens = max(1, min(max_model_len - len(prompt_ids), DEFAULT_CHAT_MAX_TOKENS))
         return await generate(request, body, prompt_ids, max_tokens, "messages", chat=True)
 
-    async def generate(request: Request, body: SamplingRequest, prompt_ids: list[int], max_tokens: int,
-                       prompt_field: str, chat: bool) -> Response:
+    async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                       max_tokens: int, prompt_field: str, chat: bool) -> Response:
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; allowed: {model_name!r}", "model",
                            code="model_not_found")
@@ -162,8 +164,8 @@ def build_app(
         config = generation_config_for(body, max_tokens, base_config)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         reply = _Reply(request_id, model_name, chat, include_usage)
-        text = IncrementalText(tokenizer, body.stop)
-        outputs = _engine_outputs(request, engine_loop, request_id, prompt_ids, config, body.seed)
+        text = IncrementalText(tokenizer, body.stop, with_logprobs=body.num_top_logprobs is not None)
+        outputs = _engine_outputs(request, engine_loop, request_id, prompt_ids, config, body.seed, body.num_top_logprobs)
 
         def count(finish_reason: str) -> None:
             endpoint = "chat_completions" if chat else "completions"
@@ -197,7 +199,9 @@ def build_app(
             count("abort")
             return Response(status_code=CLIENT_GONE)
         count(text.finish_reason)
-        return JSONResponse(reply.whole(text.text, text.finish_reason, len(prompt_ids), text.completion_tokens))
+        return JSONResponse(
+            reply.whole(text.text, text.finish_reason, len(prompt_ids), text.completion_tokens, text.take_logprobs())
+        )
 
     app.include_router(api)
     return app
@@ -238,10 +242,10 @@ def _check_length(prompt_len: int, max_tokens: int, max_model_len: int, prompt_f
 
 
 async def _engine_outputs(request: Request, engine_loop: EngineLoop, request_id: str, prompt_ids: list[int],
-                          config: GenerationConfig, seed: int | None) -> AsyncIterator[Any]:
+                          config: GenerationConfig, seed: int | None, logprobs: int | None) -> AsyncIterator[Any]:
     """The request's `RequestOutput`s from the engine thread, until it finishes or the client goes away.
     Closing this early (the client left, or a stop string ended the text) aborts the request."""
-    outputs = engine_loop.add(request_id, prompt_ids, config, seed)
+    outputs = engine_loop.add(request_id, prompt_ids, config, seed, logprobs)
     finished = False
     try:
         while not finished:
@@ -269,23 +273,60 @@ def _raise_on_error(output: Any) -> None:
         raise APIError(500, f"the engine failed on this request: {output.error}", error_type="server_error")
 
 
+@dataclass
+class LoggedToken:
+    """An output token's log-probability as the API reports it: its text (decoded alone), where it
+    starts in the completion's text, and the most likely tokens' texts and log-probabilities."""
+
+    text: str
+    logprob: float
+    offset: int
+    top: list[tuple[str, float]]
+
+
+def _logprobs_json(tokens: list[LoggedToken] | None, chat: bool) -> dict | None:
+    """OpenAI's `logprobs` of a choice: chat's {"content": [...]}, or completions' parallel lists."""
+    if tokens is None:
+        return None
+    if chat:
+        def entry(text: str, logprob: float) -> dict:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [{**entry(t.text, t.logprob), "top_logprobs": [entry(*top) for top in t.top]} for t in tokens]
+        return {"content": content, "refusal": None}
+    return {
+        "tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [dict(t.top) for t in tokens], "text_offset": [t.offset for t in tokens],
+    }  # fmt: skip
+
+
 class IncrementalText:
     """The completion's text as its tokens arrive. `advance(output)` decodes all the output tokens and
     returns the text that is new and stable; the text ends before the first stop string (then
-    `finish_reason` is "stop", whatever the engine said)."""
+    `finish_reason` is "stop", whatever the engine said). `with_logprobs`: `take_logprobs()` gives the
+    log-probabilities of the tokens whose text has been sent since its last call."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: list[str]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: list[str], with_logprobs: bool = False) -> None:
         self.tokenizer, self.stop_strings = tokenizer, stop_strings
         self.text = ""  # sent so far
         self.finish_reason: str | None = None
         self.completion_tokens = 0
+        self.with_logprobs = with_logprobs
+        self.logprobs: list[Any] = []  # the engine's TokenLogprob of every output token so far
+        self.token_ends: list[int] = []  # the text's length after each of them
+        self.taken = 0  # how many of them take_logprobs() has given
+        self.cut_by_stop_string = False
 
     def advance(self, output: Any) -> str:
         self.completion_tokens = len(output.token_ids)
+        if self.with_logprobs:
+            self.logprobs.extend(output.logprobs)
+            for end in range(len(self.token_ends) + 1, len(output.token_ids) + 1):
+                self.token_ends.append(len(self.tokenizer.decode(output.token_ids[:end], skip_special_tokens=True)))
         text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
         cuts = [index for index in (text.find(stop) for stop in self.stop_strings) if index >= 0]
         if cuts:
-            text, self.finish_reason = text[: min(cuts)], "stop"
+            text, self.finish_reason, self.cut_by_stop_string = text[: min(cuts)], "stop", True
         elif output.finished:
             self.finish_reason = output.finish_reason
         else:
@@ -293,6 +334,32 @@ class IncrementalText:
         new = text[len(self.text) :]
         self.text += new
         return new
+
+    def take_logprobs(self) -> list[LoggedToken] | None:
+        """Each token not given yet whose text has all been sent; once finished, the rest of the
+        tokens that reached the text (a stop string ends it: the tokens after where it starts do not;
+        an eos token, no text, does). None without `with_logprobs`."""
+        if not self.with_logprobs:
+            return None
+        if self.finish_reason is None:  # the leading tokens whose text has been sent
+            count = len(list(itertools.takewhile(lambda end: end <= len(self.text), self.token_ends)))
+        elif self.cut_by_stop_string:  # the leading tokens that start before the cut
+            count = len(list(itertools.takewhile(lambda start: start < len(self.text), [0, *self.token_ends[:-1]])))
+        else:
+            count = len(self.token_ends)
+
+        def decode(token_ids: list[int]) -> str:  # an eos token: "" (as in the text)
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+        taken = [
+            LoggedToken(
+                decode([entry.token_id]), entry.logprob, self.token_ends[index - 1] if index else 0,
+                [(decode([token_id]), logprob) for token_id, logprob in entry.top],
+            )
+            for index, entry in enumerate(self.logprobs[self.taken : count], start=self.taken)
+        ]  # fmt: skip
+        self.taken = max(self.taken, count)
+        return taken
 
     def _unstable_tail(self, text: str) -> int:
         """How many characters at the end may still change: an incomplete UTF-8 character decodes to
@@ -311,19 +378,20 @@ class _Reply:
         self.model_name, self.chat, self.include_usage = model_name, chat, include_usage
         self.created = int(time.time())
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+              logprobs: list[LoggedToken] | None = None) -> dict:
         choice = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        choices = [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}]
+        choices = [{"index": 0, **choice, "logprobs": _logprobs_json(logprobs, self.chat), "finish_reason": finish_reason}]
         return self._body(choices, streaming=False, usage=_usage(prompt_tokens, completion_tokens))
 
-    def chunk(self, text: str | None, finish_reason: str | None = None) -> str:
+    def chunk(self, text: str | None, finish_reason: str | None = None, logprobs: list[LoggedToken] | None = None) -> str:
         """One event; chat: `text` None is the first chunk (the assistant's role)."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
             choice = {"delta": delta}
         else:
             choice = {"text": text}
-        choices = [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}]
+        choices = [{"index": 0, **choice, "logprobs": _logprobs_json(logprobs, self.chat), "finish_reason": finish_reason}]
         return _event(self._body(choices, streaming=True, **({"usage": None} if self.include_usage else {})))
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:
@@ -367,7 +435,7 @@ async def _events(first: Any, outputs: AsyncIterator[Any], text: IncrementalText
                     return
                 new_text = text.advance(output)
                 if new_text or text.finish_reason is not None:
-                    yield reply.chunk(new_text, text.finish_reason)
+                    yield reply.chunk(new_text, text.finish_reason, text.take_logprobs())
                 if text.finish_reason is not None:
                     finish_reason = text.finish_reason
                     if reply.include_usage:
