@@ -94,10 +94,11 @@ def test_onednn_route_matches_float64_and_packs_each_weight_once(monkeypatch, ro
     monkeypatch.setattr(cpu_linear, "_reorder", lambda weight: packs.append(1) or reorder(weight))
     expected = torch.nn.functional.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
     with torch.no_grad(), fast_cpu_linears(layer, backend="onednn"):
+        assert len(packs) == 1  # packed as the block starts, not in the middle of a decode
         first, second = layer(x), layer(x)
     assert first.shape == (2, rows, 200) and torch.equal(first, second)
     torch.testing.assert_close(first.double(), expected, rtol=1e-5, atol=1e-5)
-    assert len(packs) == 1  # packed on the first call, reused after (and by the next block)
+    assert len(packs) == 1  # reused by every call (and by the next block)
     with torch.no_grad(), fast_cpu_linears(layer, backend="onednn"):
         layer(x)
     assert len(packs) == 1
@@ -121,7 +122,7 @@ def test_onednn_route_does_not_pack_where_memory_is_short(monkeypatch):
     x = torch.randn(3, 64)
     monkeypatch.setattr(cpu_linear, "_available_memory", lambda: cpu_linear.PACK_MEMORY_MARGIN)
     monkeypatch.setattr(cpu_linear, "_UNPACKED_WARNED", [])
-    with torch.no_grad(), fast_cpu_linears(layer, backend="onednn"), pytest.warns(UserWarning, match="too little to keep"):
+    with pytest.warns(UserWarning, match="too little to keep"), torch.no_grad(), fast_cpu_linears(layer, backend="onednn"):
         got = layer(x)
     assert layer not in cpu_linear._PACKED_WEIGHTS  # oneDNN packs per call instead
     torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
@@ -367,6 +368,7 @@ def test_auto_runs_each_row_count_through_its_planned_route(monkeypatch, tiny_ll
         )
     layer = tiny_llama.lm_head
     with torch.no_grad(), fast_cpu_linears(layer):
+        assert layer in cpu_linear._PACKED_WEIGHTS  # its plan takes oneDNN at some row count: packed at once
         outputs = {rows: layer(torch.randn(1, rows, layer.in_features)) for rows in (1, 2, 3, 4, 5)}
     assert used == ["torch", "numba", "onednn", "onednn"]  # 5 rows, past the plan: F.linear itself
     for rows, out in outputs.items():

@@ -824,11 +824,17 @@ def fast_cpu_linears(*modules: torch.nn.Module, backend: str = "auto") -> Iterat
                 for linear in linears:
                     if plan is None:
                         linear.forward = types.MethodType(_FORWARDS[backend], linear)
+                        takes_onednn = backend == "onednn"
                     else:
                         shape = shape_name(linear)
                         if shape not in tables:
                             tables[shape] = _route_table(plan, shape)
                         linear.forward = functools.partial(_planned_forward, linear, tables[shape])
+                        takes_onednn = "onednn" in plan.shape_backends.get(shape, plan.backends)
+                    if takes_onednn:
+                        # packed now, not at the first oneDNN call: packing costs a one-time ~5 s per GB of
+                        # weights on a 2-core VM (fresh memory), which landed in the middle of a decode
+                        _packed_weight(linear)
             yield
         finally:
             for linear in patched:
