@@ -133,8 +133,8 @@ def _inference_fp32_cpu(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
 
 
-# each linear's weight in oneDNN's own blocked layout, made on its first oneDNN call and kept while
-# the module lives, with the (storage, version) of the weight it was made from: a weight changed in
+# each linear's weight in oneDNN's own blocked layout, made as `fast_cpu_linears` starts (or at its
+# first oneDNN call) and kept while the module lives, with the (storage, version) of the weight it was made from: a weight changed in
 # place (training, load_state_dict) or replaced is packed again
 _PACKED_WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[tuple[int, int], torch.Tensor]] = (
     weakref.WeakKeyDictionary()
@@ -244,9 +244,8 @@ class BackendPlan:
     source: str = field(default="timed", compare=False)  # "timed" in this process, or "stored" (read from `path`)
     path: str | None = field(default=None, compare=False)  # the file it is stored in, if it is
     key: dict | None = field(default=None, compare=False, repr=False)  # `plan_key` of the linears it was made for
-    # per-linear plans: each weight shape ("out x in", `shape_name`) timed on its own, with its own
-    # fastest route per row count where it differs from `backends` (the fastest for all linears
-    # together). Why: on a 2-core Xeon at 4 rows SmolLM2's LM head is 2x faster on oneDNN while its
+    # per-linear plans: each weight shape's ("out x in", `shape_name`) own fastest route per row
+    # count, timed inside the same passes (`backends`: the fastest for all linears together). Why: on a 2-core Xeon at 4 rows SmolLM2's LM head is 2x faster on oneDNN while its
     # decoder linears are faster on MKL; at 24 rows Qwen2.5-1.5B's linears take three routes.
     shape_backends: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
