@@ -29,6 +29,7 @@ LOOKUP = ["--prompt-lookup-min", "2", "--prompt-lookup-max", "4"]
 RUNS = {
     "pair-b1": [*PAIR, "--num-prompts", "4", "--batch-size", "1", "--max-new-tokens", "64", "--ks", "2,4,8"],
     "pair-b8": [*PAIR, "--num-prompts", "8", "--batch-size", "8", "--max-new-tokens", "64", "--ks", "2,4,8"],
+    "pair-b8-16": [*PAIR, "--num-prompts", "16", "--batch-size", "8", "--max-new-tokens", "64", "--ks", "2,4,8"],
     "pair-b1-t0.7": [*PAIR, "--num-prompts", "4", "--batch-size", "1", "--max-new-tokens", "64", "--ks", "2,4,8",
                      "--temperature", "0.7"],
     "pair-b8-t0.7": [*PAIR, "--num-prompts", "8", "--batch-size", "8", "--max-new-tokens", "64", "--ks", "2,4,8",
