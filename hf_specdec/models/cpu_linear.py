@@ -33,7 +33,7 @@ processes took our cores (`_CpuWatch`) is used by that process only, never store
 machine one busy process slows the routes 2-7x and unequally, which is what made "auto" plan
 routes 12-40% slower in some processes. torch has no public switch for the other routes without lowering fp32 precision,
 so while the context is active a module's `forward` calls them on the module's own weight (no
-copy, same memory). Results are fp32 dot products like MKL's, differing only in rounding (a few
+copy, same memory; oneDNN's packed copy excepted, above). Results are fp32 dot products like MKL's, differing only in rounding (a few
 1e-6 relative); the numba kernel computes a row the same way whatever the other rows are.
 
 `fast_cpu_linears` is public: it speeds up plain `generate()` on CPU too, and the benchmark uses it
