@@ -116,6 +116,13 @@ def test_prediction_is_the_seed_formula_for_a_full_chain():
     assert summary["loop_overhead"] == pytest.approx(0.05)
 
 
+def test_decode_rate_leaves_the_prefill_out_and_skips_batches_without_a_decode_phase():
+    runs = ArmRuns(Arm("ours", {}, 4))
+    # batch 1: 2 rows, 66 tokens in 5 s with a 1 s TTFT; batch 2: one token a row; batch 3: ran no longer than its TTFT
+    runs.new_tokens, runs.batch_rows, runs.seconds, runs.ttft_s = [66, 2, 40], [2, 2, 2], [5.0, 1.0, 0.9], [1.0, 0.5, 1.0]
+    assert runs.decode_tokens_per_s() == [16.0, None, None]
+
+
 def test_bench_profile_and_temperature(model_folder, prompts_file, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "results.json"
     status = cli.main(

@@ -69,11 +69,13 @@ class ArmRuns:
     def tokens_per_s(self) -> list[float]:
         return [n / s for n, s in zip(self.new_tokens, self.seconds)]
 
-    def decode_tokens_per_s(self) -> list[float]:
+    def decode_tokens_per_s(self) -> list[float | None]:
         """Per batch: the tokens after each row's first over the seconds after the first token (the
-        run's less its TTFT): the decode phase alone, which the seed's formula prices."""
+        run's less its TTFT): the decode phase alone, which the seed's formula prices. None for a
+        batch with no decode phase to time (one token a row, or a run no longer than its TTFT call)."""
         return [
-            (n - rows) / (s - t) for n, rows, s, t in zip(self.new_tokens, self.batch_rows, self.seconds, self.ttft_s)
+            (n - rows) / (s - t) if n > rows and s > t else None
+            for n, rows, s, t in zip(self.new_tokens, self.batch_rows, self.seconds, self.ttft_s)
         ]
 
     def decode_step_s(self) -> float | None:
@@ -280,9 +282,10 @@ def summarize(
         if fast_rates is not None:
             summary["ratio_vs_plain_fast_linears"] = statistics.median(r / p for r, p in zip(rates, fast_rates))
         # the same without the prefill (equal in every arm, and no part of a decode step)
-        summary["decode_ratio"] = statistics.median(
-            r / p for r, p in zip(arm_runs.decode_tokens_per_s(), (fast or plain).decode_tokens_per_s())
-        )
+        decode_ratios = [
+            r / p for r, p in zip(arm_runs.decode_tokens_per_s(), (fast or plain).decode_tokens_per_s()) if r and p
+        ]
+        summary["decode_ratio"] = statistics.median(decode_ratios) if decode_ratios else None
         if arm_runs.arm.k is not None:
             summary.update(_speculation_summary(arm_runs, plain_step))
             summary["verify_cost"] = (verify_costs or {}).get(name)
