@@ -214,13 +214,21 @@ def test_stop_string_cuts_the_text(client, tokenizer, reference):
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
-def plain_logprobs(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+def plain_logprobs(model, prompt_ids: list[int], max_new_tokens: int, **options) -> tuple[list[int], torch.Tensor]:
     """Plain greedy generate()'s tokens and the log-softmax of its raw logits at each."""
+    tokens, raw, _ = plain_raw_and_processed(model, prompt_ids, max_new_tokens, **options)
+    return tokens, raw
+
+
+def plain_raw_and_processed(model, prompt_ids: list[int], max_new_tokens: int, **options):
+    """Plain greedy generate()'s tokens, and the log-softmax of its raw and of its processed logits."""
     out = plain_generate(
         model, input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, output_scores=True,
+        return_dict_in_generate=True, **options,
     )  # fmt: skip
-    return out.sequences[0, len(prompt_ids) :].tolist(), torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+    raw, processed = (torch.log_softmax(torch.cat(x).float(), dim=-1) for x in (out.logits, out.scores))
+    return out.sequences[0, len(prompt_ids) :].tolist(), raw, processed
 
 
 def test_completion_logprobs_are_the_models(client, tokenizer, reference):
@@ -237,6 +245,15 @@ def test_completion_logprobs_are_the_models(client, tokenizer, reference):
     for position, top in enumerate(logprobs.top_logprobs):  # greedy: the chosen token is the likeliest
         assert list(top) == [tokenizer.decode([t]) for t in top_ids[position].tolist()]
         torch.testing.assert_close(torch.tensor(list(top.values())), top_values[position], atol=1e-4, rtol=0)
+    # the raw logits' (before processors): with a repetition penalty they differ from the processed ones
+    tokens, raw, processed = plain_raw_and_processed(reference, prompt_ids, 24, repetition_penalty=1.5)
+    penalized = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=24, temperature=0, logprobs=1, extra_body={"repetition_penalty": 1.5}
+    ).choices[0].logprobs
+    assert penalized.tokens == [tokenizer.decode([t], skip_special_tokens=True) for t in tokens]
+    raw_chosen, processed_chosen = (x.gather(1, torch.tensor(tokens)[:, None])[:, 0] for x in (raw, processed))
+    assert not torch.allclose(raw_chosen, processed_chosen, atol=1e-2)
+    torch.testing.assert_close(torch.tensor(penalized.token_logprobs), raw_chosen, atol=1e-4, rtol=0)
     none = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=4, temperature=0)
     zero = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=0)
     assert none.choices[0].logprobs is None and zero.choices[0].logprobs.top_logprobs == [{}] * 4
