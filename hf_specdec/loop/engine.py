@@ -466,6 +466,7 @@ class SpeculativeEngine:
         for row, request in list(self._running.items()):
             with contextlib.suppress(Exception):  # the failed step may have left the drafter half-updated
                 release_rows(self.state, self.cache, self.proposer, self.features, [row])
+            # whatever release_rows could not finish: the row must end and its blocks return to the pool
             self.state.finished[row] = True
             self.cache.free_row(row)
             self._free_slot(row)
