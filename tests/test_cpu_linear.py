@@ -128,6 +128,25 @@ def test_onednn_route_does_not_pack_where_memory_is_short(monkeypatch):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_numba_kernel_is_loaded_as_the_block_starts_only_where_a_route_takes_it(monkeypatch):
+    """Loading the kernel costs ~0.4 s once per process: at the first call it landed inside a
+    decode step, which auto k read as the price of drafting."""
+    loads = []
+    monkeypatch.setattr(cpu_linear, "_load_numba_kernel", lambda: loads.append(1))
+    layer = torch.nn.Linear(64, 32)
+    with torch.no_grad(), fast_cpu_linears(layer, backend="numba"):
+        assert loads  # before any forward
+    loads.clear()
+    if cpu_linear.onednn_available():
+        with torch.no_grad(), fast_cpu_linears(layer, backend="onednn"):
+            layer(torch.randn(2, 64))
+        assert not loads
+    # the real loader runs the kernel's signature once and is cached for the process
+    monkeypatch.undo()
+    cpu_linear._load_numba_kernel()
+    assert cpu_linear._small_batch_linear.signatures and cpu_linear._load_numba_kernel.cache_info().currsize == 1
+
+
 def test_numba_backend_routes_by_row_count(monkeypatch):
     # the kernel must really run up to SMALL_BATCH_ROWS rows (a fallback would pass the value tests)
     kernel_rows = []

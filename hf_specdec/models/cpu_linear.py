@@ -222,6 +222,18 @@ def _numba_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 _NO_BIAS = np.empty(0, dtype=np.float32)
+
+
+@functools.cache
+def _load_numba_kernel() -> None:
+    """Compile (or load from numba's cache) `_small_batch_linear` for the arrays `_numba_forward`
+    passes, once per process. Done when a route first takes it: loading alone costs ~0.4 s on a
+    2-core VM, and at the first call it landed inside a decode step (SmolLM2's EAGLE-3 head at
+    batch 8: a 100 ms step took 470 ms, which auto k read as the price of drafting)."""
+    x = np.zeros((1, 1), dtype=np.float32)
+    _small_batch_linear(x, x, _NO_BIAS, np.empty((1, 1), dtype=np.float32))
+
+
 _FORWARDS: dict[str, Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]] = {
     "numba": _numba_forward,
     "onednn": _onednn_forward,
@@ -823,17 +835,19 @@ def fast_cpu_linears(*modules: torch.nn.Module, backend: str = "auto") -> Iterat
                 for linear in linears:
                     if plan is None:
                         linear.forward = types.MethodType(_FORWARDS[backend], linear)
-                        takes_onednn = backend == "onednn"
+                        routes = {backend}
                     else:
                         shape = shape_name(linear)
                         if shape not in tables:
                             tables[shape] = _route_table(plan, shape)
                         linear.forward = functools.partial(_planned_forward, linear, tables[shape])
-                        takes_onednn = "onednn" in plan.shape_backends.get(shape, plan.backends)
-                    if takes_onednn:
+                        routes = set(plan.shape_backends.get(shape, plan.backends))
+                    if "onednn" in routes:
                         # packed now, not at the first oneDNN call: packing costs a one-time ~5 s per GB of
                         # weights on a 2-core VM (fresh memory), which landed in the middle of a decode
                         _packed_weight(linear)
+                    if "numba" in routes:
+                        _load_numba_kernel()
             yield
         finally:
             for linear in patched:
