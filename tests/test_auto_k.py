@@ -128,11 +128,24 @@ def test_controller_converges_to_the_formulas_k(alpha, c):
 def test_controller_probes_plain_steps_per_batch_size():
     controller = AutoKController(k_max=8, probe_interval=16)
     chosen = simulate(controller, 0.8, lambda rows: 0.05, lambda step: 4 if step < 40 else 3, steps=80)
-    assert chosen[0] > 0  # the prefill step speculates on the priors
-    assert chosen[1] == 0  # then a plain step gives the reference time
-    assert chosen[40] == 0  # a row finished: the new batch size needs its own plain time
-    # and probes recur every probe_interval steps (step 1's plain time was recorded as step 2)
-    assert chosen[18] == 0 and all(k > 0 for k in chosen[2:18])
+    # the prompts' step and the drafter's catch-up step speculate on the priors (their times are not used)
+    assert chosen[0] > 0 and chosen[1] > 0
+    assert chosen[2] == 0  # then a plain step gives the reference time
+    # and probes recur every probe_interval steps (step 2's plain time was recorded as step 3)
+    assert chosen[19] == 0 and all(k > 0 for k in chosen[3:19])
+    # a row finished: 3 rows borrow 4 rows' plain time (within PLAIN_BORROW_RANGE) instead of probing
+    # at once, and measure their own at the next periodic probe
+    assert chosen[40] > 0
+    first_probe_at_3 = 40 + chosen[40:].index(0)
+    assert first_probe_at_3 <= 40 + 16 and 3 in controller._plain
+
+
+def test_controller_borrows_plain_time_only_from_a_near_batch_size():
+    controller = AutoKController(k_max=8, probe_interval=16)
+    simulate(controller, 0.8, lambda rows: 0.05, lambda step: 8, steps=10)
+    assert controller._plain_time(7) is controller._plain[8] and controller._plain_time(6) is controller._plain[8]
+    assert controller._plain_time(5) is None and controller.next_k(5) == 0  # too far: probe its own
+    assert controller.next_k(7) > 0
 
 
 def test_controller_turns_speculation_off_when_drafts_cost_too_much():
@@ -305,9 +318,9 @@ def test_auto_k_carries_what_it_learned_to_the_next_call(enabled_llama):
     first = auto_k.controller_for(model, config, do_sample=False)
     generated = model.generate(**inputs, max_new_tokens=24, do_sample=False, speculative_config=config.to_dict())
     learned_steps = first._steps
-    assert learned_steps > 1 and not first._prefill_pending
+    assert learned_steps > 1 and not first._untimed_steps
     again = auto_k.controller_for(model, SpeculativeConfig.from_any(config.to_dict()), do_sample=False)
-    assert again is first and again._prefill_pending and again._steps == learned_steps
+    assert again is first and again._untimed_steps == auto_k.UNTIMED_STEPS and again._steps == learned_steps
     assert torch.equal(
         model.generate(**inputs, max_new_tokens=24, do_sample=False, speculative_config=config.to_dict()), generated
     )

@@ -46,8 +46,15 @@ fixed k when it started from the priors in every call). `forget(model)` starts i
   by the line, so a k that looks cheap there gets tried and from then on priced by what it cost.
 - t_plain_step: the loop's own steps that drafted nothing (no n-gram match, or k = 0), kept per
   number of active rows (rows leave the batch as they finish). When none is recent, the step
-  is forced to k = 0: a probe costing one step's worth of drafts. The first step runs the
-  prompts (prefill), so its time says nothing about decoding and is not used.
+  is forced to k = 0: a probe costing one step's worth of drafts. A batch size not measured yet
+  borrows the plain time of the nearest measured size within `PLAIN_BORROW_RANGE` (a row leaving
+  a batch of 8 changes a CPU's plain step by a few percent; a probe at 64 tokens and tau 8 costs
+  a tenth of the call), and gets its own at the next periodic probe.
+- Untimed steps: the first step of a call (or the one a request joins in) runs the prompts, and
+  the next one is where a drafter catches up on them (an EAGLE head's forward over every prompt
+  position: SmolLM2's head at batch 8 took 450 ms there against 100 ms for a decode step, which
+  priced k = 2 at 3.4 plain steps and turned drafting off for the rest of the run). Neither says
+  what a decode step costs: their times are not used (their acceptance is).
 - While speculation is off, every `probe_interval` steps one step drafts anyway, at the k the
   formula ranks best, so a text that became predictable turns it back on.
 """
@@ -59,6 +66,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 TIE_TOLERANCE = 1e-9  # relative
+# steps after a call starts (or a request joins) whose time is not a decode step's: the prompts'
+# step, then the drafters' catch-up on them (module docstring)
+UNTIMED_STEPS = 2
+# a batch size without its own plain step time borrows the nearest measured size's when it is
+# within this fraction of it (module docstring)
+PLAIN_BORROW_RANGE = 0.25
 
 
 def predicted_speedup(alpha: float, c: float, k: int) -> float:
@@ -169,11 +182,11 @@ class AutoKController:
         self._plain: dict[int, PlainStepTime] = {}  # by number of active rows
         self._steps = 0  # steps recorded so far
         self._last_drafted_step = 0
-        self._prefill_pending = True  # the next step runs the prompts (`begin_call`)
+        self._untimed_steps = UNTIMED_STEPS  # steps left whose time says nothing about decoding
 
     def begin_call(self) -> None:
-        """A generate() call starts: its first step runs the prompts, which says nothing about decoding."""
-        self._prefill_pending = True
+        """A generate() call starts (or a request joins): its first `UNTIMED_STEPS` steps are not timed."""
+        self._untimed_steps = UNTIMED_STEPS
 
     @property
     def alpha(self) -> float:
@@ -198,13 +211,22 @@ class AutoKController:
         measured = self._step_cost.get((num_rows, k))
         return 1 + self.c(num_rows) * k if measured is None else measured.value
 
+    def _plain_time(self, num_rows: int) -> PlainStepTime | None:
+        """The plain step time at `num_rows` rows: measured there, or borrowed from the nearest
+        measured size within `PLAIN_BORROW_RANGE` (the larger one on a tie), or None."""
+        own = self._plain.get(num_rows)
+        if own is not None:
+            return own
+        near = [rows for rows in self._plain if abs(rows - num_rows) <= PLAIN_BORROW_RANGE * rows]
+        return self._plain[min(near, key=lambda rows: (abs(rows - num_rows), -rows))] if near else None
+
     def next_k(self, num_rows: int) -> int:
         """k for the next step of `num_rows` active rows: the formula's choice, or a probe."""
         costs = [self.step_cost(num_rows, k) for k in range(1, self.k_max + 1)]
         k = choose_k_for_costs(self.alpha, costs)
-        if self._prefill_pending:  # the prefill step: no decode timing to take, speculate on the estimates
+        if self._untimed_steps:  # no decode timing to take: speculate on the estimates
             return k
-        plain = self._plain.get(num_rows)
+        plain = self._plain_time(num_rows)
         if plain is None or self._steps - plain.last_step >= self.probe_interval:
             return 0
         if k == 0 and self._steps - self._last_drafted_step >= self.probe_interval:
@@ -224,8 +246,8 @@ class AutoKController:
         drafted_per_row = sum(num_draft_tokens) / len(num_draft_tokens)
         if drafted_per_row > 0:
             self._last_drafted_step = self._steps
-        if self._prefill_pending:  # the prefill step
-            self._prefill_pending = False
+        if self._untimed_steps:
+            self._untimed_steps -= 1
             return
         num_rows = len(num_draft_tokens)
         plain = self._plain.get(num_rows)
@@ -235,7 +257,7 @@ class AutoKController:
             else:  # recent plain steps dominate: the context, and with it the step time, grows
                 plain.seconds.update(seconds, 1.0)
                 plain.last_step = self._steps
-        elif plain is not None:
+        elif (plain := self._plain_time(num_rows)) is not None:
             cost = seconds / plain.seconds.value
             key = (num_rows, k)
             if key not in self._step_cost:  # starts from the line's price, weighing as one step
