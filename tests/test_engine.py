@@ -7,6 +7,7 @@ distribution, seeds), stop reasons, bad input, and a failing step that ends only
 
 from __future__ import annotations
 
+import copy
 import random
 
 import families
@@ -31,6 +32,7 @@ import hf_specdec
 from hf_specdec import SpeculativeEngine
 from hf_specdec.cache.architectures import UnsupportedModelError
 from hf_specdec.cache.paged_attention import ATTENTION_NAME
+from hf_specdec.drafters.drafting import DraftTokenPicker
 from hf_specdec.loop import engine as engine_module
 
 
@@ -206,6 +208,58 @@ def test_sampled_requests_follow_the_exact_distribution():
         _finished(engine, PROMPT, {**config, "temperature": 0.6}, seed) for seed in range(3000, 4000)
     ]
     assert chi_square_pvalue(np.array(wrong), exact) < 1e-6
+
+
+def _sampled_run(small, draft, config, seeds) -> tuple[np.ndarray, SpeculativeEngine]:
+    engine = SpeculativeEngine(small, {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}, max_batch_size=64)
+    for seed in seeds:
+        engine.add_request(PROMPT, config, seed=seed)
+    samples = []
+    while engine.has_unfinished():
+        samples.extend(o.token_ids for o in engine.step() if o.finished)
+    return np.array(samples), engine
+
+
+def test_sampled_requests_draft_from_their_own_distribution(monkeypatch):
+    """A draft model samples each sampled request's drafts from q warped by the request's own
+    processors (exact with the p/q test), and they pass far more often than argmax drafts would."""
+    small = hf_specdec.enable(build_small_vocab_llama())
+    sampling = SETTINGS["temperature_topk_topp"]
+    exact = exact_distribution(small, sampling)
+    config = {"max_new_tokens": NEW_TOKENS, "do_sample": True, "pad_token_id": 0, **sampling}
+    draft_probs_given = []
+    step_module = __import__("hf_specdec.loop.step", fromlist=["rejection_sample"])
+    sample = step_module.rejection_sample
+    monkeypatch.setattr(
+        step_module, "rejection_sample",
+        lambda spec, *a, draft_probs=None, **kw: draft_probs_given.append(draft_probs is not None) or sample(
+            spec, *a, draft_probs=draft_probs, **kw
+        ),
+    )  # fmt: skip
+    samples, engine = _sampled_run(small, perturbed_copy(small), config, range(3000))
+    assert engine.metrics.num_draft_tokens > 0 and any(draft_probs_given)
+    assert chi_square_pvalue(samples, exact) > 1e-3
+    # the draft model is the target itself: q is the request's p, so nearly every draft passes
+    # (a one-hot q, the argmax drafted, passes with p(argmax): well under half here)
+    _, same = _sampled_run(small, copy.deepcopy(small), config, range(300))
+    assert same.metrics.num_accepted_tokens / same.metrics.num_draft_tokens > 0.97
+    # q must be the distribution the draft was drawn from: the argmax passed off with the sampled q
+    # is biased, and the test sees it (any draft passed off as one-hot would be exact)
+    pick = DraftTokenPicker.pick
+    monkeypatch.setattr(DraftTokenPicker, "pick", lambda self, logits, rows: (logits.argmax(-1), pick(self, logits, rows)[1]))
+    wrong, _ = _sampled_run(small, perturbed_copy(small), config, range(3000, 5000))
+    assert chi_square_pvalue(wrong, exact) < 1e-6
+
+
+def test_mixed_greedy_and_sampled_requests_with_a_draft_model(model):
+    """Greedy requests beside sampled ones still equal plain greedy generate() (their q is one-hot)."""
+    config = {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3}
+    engine = SpeculativeEngine(model, config, max_batch_size=4)
+    prompts = repeated_span_prompts(4, seed=21)
+    sampled = {"max_new_tokens": 24, "do_sample": True, "temperature": 0.8}
+    for prompt in prompts[1:]:
+        engine.add_request(prompt, sampled, seed=3)
+    assert _finished(engine, prompts[0], {"max_new_tokens": 24, "do_sample": False}, seed=None) == _alone(model, prompts[0], 24)
 
 
 def _finished(engine, prompt, config, seed) -> list[int]:

@@ -66,45 +66,85 @@ class DraftSampling:
         """Sampled drafts exactly when the target samples, warped like the target's logits."""
         if generation_config is None or not generation_config.do_sample:
             return cls()
-        warpers = [p for p in (logits_processor or []) if isinstance(p, _POSITION_FREE)]
         # drawn from torch's global generator after the sampler drew its own, so torch.manual_seed reproduces
         seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        return cls(do_sample=True, warpers=warpers, seed=seed)
+        return cls.sampled(logits_processor or [], seed)
+
+    @classmethod
+    def sampled(cls, logits_processor: Sequence, seed: int) -> DraftSampling:
+        """Sampled drafts, warped by the position-free processors among `logits_processor`."""
+        return cls(do_sample=True, warpers=[p for p in logits_processor if isinstance(p, _POSITION_FREE)], seed=seed)
 
 
 class DraftTokenPicker:
-    """Turns draft logits into draft tokens (and their q when sampling), one generator per batch row."""
+    """Turns draft logits into draft tokens (and their q when sampling), one generator per batch row.
+
+    Every row drafts as `sampling` says, except rows given their own (`set_row_sampling`: the
+    engine's requests, each with its own warpers and seed).
+    """
 
     def __init__(self, sampling: DraftSampling, device: torch.device):
         self.sampling = sampling
         self.device = torch.device(device)
         self._generators: dict[int, torch.Generator] = {}
+        self._row_sampling: dict[int, DraftSampling] = {}
+
+    def set_row_sampling(self, row: int, sampling: DraftSampling) -> None:
+        """`row` drafts as `sampling` says until it is released. Its draft stream is seeded from
+        `sampling.seed` alone, so a seeded request drafts the same in whichever row it runs."""
+        self._row_sampling[int(row)] = sampling
+        self._generators.pop(int(row), None)
+
+    def _sampling_of(self, row: int) -> DraftSampling:
+        return self._row_sampling.get(int(row), self.sampling)
 
     def _generator(self, row: int) -> torch.Generator:
         generator = self._generators.get(row)
         if generator is None:
-            entropy = [self.sampling.seed, row, DRAFT_STREAM_TAG]
+            own = self._row_sampling.get(row)
+            entropy = [self.sampling.seed, row, DRAFT_STREAM_TAG] if own is None else [own.seed, DRAFT_STREAM_TAG]
             seed = int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
             generator = self._generators[row] = torch.Generator(device=self.device).manual_seed(seed)
         return generator
 
-    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+    def warp(self, logits: torch.Tensor, sampling: DraftSampling | None = None) -> torch.Tensor:
         """logits `[n, vocab]` -> the scores drafts are sampled from (float32): the position-free
-        warpers applied when sampling, the logits as they are when greedy."""
+        warpers of `sampling` (default: the picker's) applied when sampling, the logits as they are
+        when greedy."""
+        sampling = sampling or self.sampling
         scores = logits.float()
-        if not self.sampling.do_sample:
+        if not sampling.do_sample:
             return scores
         # position-free warpers ignore input_ids; they still take a [rows, length] tensor
         placeholder_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
-        for warper in self.sampling.warpers:
+        for warper in sampling.warpers:
             scores = warper(placeholder_ids, scores)
         return scores
 
     def pick(self, logits: torch.Tensor, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits `[len(rows), vocab]` -> (tokens `[len(rows)]`, q `[len(rows), vocab]` float32 or None)."""
-        if not self.sampling.do_sample:
+        """logits `[len(rows), vocab]` -> (tokens `[len(rows)]`, q `[len(rows), vocab]` float32 or None).
+
+        q is None only while no row of the picker samples: a drafter stacks each row's q over its
+        draft steps, so a call's steps must all give q or all not. A greedy row beside sampled ones
+        gets its argmax with a one-hot q."""
+        if not (self.sampling.do_sample or any(s.do_sample for s in self._row_sampling.values())):
             return logits.argmax(dim=-1), None
-        q = torch.softmax(self.warp(logits), dim=-1)
+        samplings = [self._sampling_of(row) for row in rows]
+        if all(s is self.sampling for s in samplings):
+            return self._sample(logits, rows, self.sampling)
+        tokens = logits.argmax(dim=-1)
+        q = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
+        groups: dict[int, list[int]] = {}  # rows sharing one sampling, by its identity
+        for i, sampling in enumerate(samplings):
+            if sampling.do_sample:
+                groups.setdefault(id(sampling), []).append(i)
+        for indices in groups.values():
+            (index,) = to_device([np.array(indices, dtype=np.int64)], logits.device)
+            tokens[index], q[index] = self._sample(logits[index], [rows[i] for i in indices], samplings[indices[0]])
+        return tokens, q
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[int], sampling: DraftSampling) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.softmax(self.warp(logits, sampling), dim=-1)
         # inverse CDF: the first token whose cumulative mass exceeds u ~ U[0, total) is x with
         # probability q(x) (zero-mass tokens have empty intervals). In float64: float32's 24 bits,
         # summed over a 152k vocabulary, could shift the intervals by up to ~1% of the mass in all.
@@ -122,6 +162,17 @@ class DraftTokenPicker:
     def release(self, rows: Sequence[int]) -> None:
         for row in rows:
             self._generators.pop(int(row), None)
+            self._row_sampling.pop(int(row), None)
+
+
+def set_row_sampling(proposer, row: int, sampling: DraftSampling) -> None:
+    """Every draft picker of `proposer` (and of drafters it wraps) samples `row`'s drafts as
+    `sampling` says; drafters without one (n-gram, suffix, EAGLE: deterministic drafts) are unaffected."""
+    for part in vars(proposer).values():
+        if isinstance(part, DraftTokenPicker):
+            part.set_row_sampling(row, sampling)
+        elif hasattr(part, "propose"):
+            set_row_sampling(part, row, sampling)
 
 
 def rows_to_feed(request: ProposeRequest) -> list[int]:

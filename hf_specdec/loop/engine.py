@@ -17,10 +17,12 @@ so nothing is preempted or recomputed. Each request brings its own generation co
 processors and stopping criteria are transformers' own (`_get_logits_processor`,
 `_get_stopping_criteria`, what plain `generate()` builds), its own seed and max tokens.
 
-Drafts are deterministic here (the drafters' argmax; n-gram and suffix drafts are anyway): a
-sampled request verifies them against its own processed distribution, which is exact for any
-temperature (a one-hot draft distribution in the rejection sampler). `generate()` runs the same
-engine on its fixed batch (`for_batch`), with the batch's processors, and its drafters sample.
+Drafters that run a model (draft model, layer skip, MTP) sample a sampled request's drafts from
+its own warped draft distribution q (its temperature, top-k / top-p / min-p; its seed), as in
+`generate()`, and the rejection sampler tests them against the request's processed target
+distribution; greedy requests draft the argmax. n-gram, suffix and EAGLE drafts are deterministic
+(a one-hot q), which is exact for any temperature too. `generate()` runs the same engine on its
+fixed batch (`for_batch`), with the batch's processors.
 
 While rows run, the model's attention is switched to the paged cache and its CPU linears take the
 measured routes (as inside `generate()`); both are restored whenever the engine is idle. Not
@@ -48,6 +50,7 @@ from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
 from ..drafters import build_proposer
+from ..drafters.drafting import DraftSampling, set_row_sampling
 from ..models.cpu_linear import fast_cpu_linears, resolve_backend
 from ..models.feature_capture import TargetFeatureCapture, capture_for_proposer
 from ..sampling.grammar import SpeculativeGrammar
@@ -114,6 +117,7 @@ class _Request:
     generator: torch.Generator | None  # None: greedy
     num_blocks: int  # KV blocks reserved at admission
     num_top_logprobs: int | None = None  # None: no log-probabilities; else the alternatives per token
+    draft_sampling: DraftSampling | None = None  # a sampled request's drafts (None: greedy drafts)
     output: list[int] = field(default_factory=list)
 
 
@@ -291,13 +295,14 @@ class SpeculativeEngine:
             logits_processor=LogitsProcessorList(), device=self.model.device, model_kwargs={},
         )  # fmt: skip
         check_supported_processors(processors)
+        draft_sampling = None if generator is None else DraftSampling.sampled(processors, seed)
         criteria = self.model._get_stopping_criteria(config, StoppingCriteriaList(), tokenizer=self.tokenizer)
         eos = config._eos_token_tensor
         eos_token_ids = frozenset() if eos is None else frozenset(int(t) for t in eos.flatten().tolist())
         self._waiting.append(
             _Request(
                 request_id, prompt, max_length, processors, self._stop_checker_for(criteria, eos_token_ids),
-                eos_token_ids, generator, num_blocks, logprobs,
+                eos_token_ids, generator, num_blocks, logprobs, draft_sampling,
             )
         )  # fmt: skip
         return request_id
@@ -438,6 +443,8 @@ class SpeculativeEngine:
             state.max_lengths[row], state.finished[row] = request.max_length, False
             self.sampling.is_greedy[row] = request.generator is None
             self.sampling.generators[row] = request.generator
+            if request.draft_sampling is not None:  # released with the row
+                set_row_sampling(self.proposer, row, request.draft_sampling)
             self._row_processors.by_row[row] = request.processors
             self._row_stops.by_row[row] = request.stop_checker
             self._running[row] = request
