@@ -158,6 +158,35 @@ def test_sampling_fields_reach_the_engine(client, tokenizer, reference):
     assert sampled[0] == sampled[1] != sampled[2] and greedy not in sampled  # the seed is the request's
 
 
+def test_n_choices_whole_and_streamed(client, server, tokenizer, reference):
+    """n choices: n requests in the engine, choice i seeded with seed + i (each as a request of its
+    own with that seed), streamed under their indices; usage counts the prompt once."""
+    sampled = {"model": MODEL_NAME, "prompt": PROMPTS[4], "max_tokens": 12, "temperature": 1.5}
+    reply = client.completions.create(**sampled, n=3, seed=5)
+    assert [choice.index for choice in reply.choices] == [0, 1, 2]
+    alone = [client.completions.create(**sampled, seed=5 + i) for i in range(3)]
+    assert [choice.text for choice in reply.choices] == [a.choices[0].text for a in alone]
+    assert len({choice.text for choice in reply.choices}) > 1
+    assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    streamed = list(client.completions.create(**sampled, n=3, seed=5, stream=True, stream_options={"include_usage": True}))
+    texts = {i: "".join(c.choices[0].text for c in streamed[:-1] if c.choices[0].index == i) for i in range(3)}
+    assert [texts[i] for i in range(3)] == [choice.text for choice in reply.choices]
+    assert streamed[-1].usage.completion_tokens == reply.usage.completion_tokens
+    # chat, greedy: every choice is plain generate()'s text, each opened by its role chunk
+    messages = [{"role": "user", "content": PROMPTS[5]}]
+    expected = tokenizer.decode(plain_greedy(reference, [5, *ids(tokenizer, PROMPTS[5]), 6], 10), skip_special_tokens=True)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0, n=2,
+                                                 stream=True))  # fmt: skip
+    for index in (0, 1):
+        mine = [chunk.choices[0] for chunk in chunks if chunk.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(choice.delta.content or "" for choice in mine) == expected
+        assert mine[-1].finish_reason is not None
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0, n=2)
+    assert [choice.message.content for choice in whole.choices] == [expected, expected]
+
+
 def test_completion_default_max_tokens_is_16(client, tokenizer, reference):
     reply = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], temperature=0)
     expected = plain_greedy(reference, ids(tokenizer, PROMPTS[1]), 16)
@@ -306,7 +335,8 @@ def test_engine_refuses_bad_logprobs():
         ({"prompt": "w5", "max_tokens": 0}, "max_tokens", ["greater than or equal to 1"]),
         ({"prompt": "w5", "temperature": -0.5}, "temperature", ["greater than or equal to 0"]),
         ({"prompt": "w5", "top_p": 0}, "top_p", ["greater than 0"]),
-        ({"prompt": "w5", "n": 2}, "n", ["allowed: 1"]),
+        ({"prompt": "w5", "n": 17}, "n", ["allowed: 1 to 16"]),
+        ({"prompt": "w5", "n": 0}, "n", ["allowed: 1 to 16"]),
         ({"prompt": "w5", "logprobs": 6}, "logprobs", ["less than or equal to 5"]),
         ({"prompt": "w5", "echo": True}, "echo", ["unknown or unsupported"]),
         ({"prompt": ""}, "prompt", ["allowed"]),
@@ -348,7 +378,7 @@ def test_bad_chat_requests_and_bad_json(server):
     assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError, match="n="):
         openai.OpenAI(base_url=f"{server}/v1", api_key="x").chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": "w5"}], n=2
+            model=MODEL_NAME, messages=[{"role": "user", "content": "w5"}], n=17
         )
 
 

@@ -90,11 +90,13 @@ class EngineLoop:
         self._end_all(EngineError("the server is shutting down", 503))
 
     def add(
-        self, request_id: str, prompt_ids: list[int], generation_config: Any, seed: int | None, logprobs: int | None = None
+        self, request_id: str, prompt_ids: list[int], generation_config: Any, seed: int | None, logprobs: int | None = None,
+        outputs: asyncio.Queue | None = None,
     ) -> asyncio.Queue:
         """Queues the request (`SpeculativeEngine.add_request`'s arguments); returns the asyncio queue its
-        outputs (or an EngineError) arrive on. Call from the event loop's thread."""
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs (or an EngineError) arrive on: `outputs` when given (several requests may share one: each
+        output names its request), else a new one. Call from the event loop's thread."""
+        outputs = asyncio.Queue() if outputs is None else outputs
         self._commands.put(
             _Add(request_id, prompt_ids, generation_config, seed, asyncio.get_running_loop(), outputs, logprobs)
         )

@@ -8,7 +8,7 @@ are allowed instead of listing one pydantic error per shape.
 
 Supported: model (the served model's name, or left out), prompt / messages (roles system, user,
 assistant; text content), max_tokens (chat: or max_completion_tokens), temperature (0: greedy),
-top_p, seed, stop, stream, stream_options.include_usage, n (1 only), logprobs (completions: 0 to 5
+top_p, seed, stop, stream, stream_options.include_usage, n (1 to MAX_CHOICES), logprobs (completions: 0 to 5
 alternatives; chat: logprobs true with top_logprobs 0 to 20), and vLLM's extensions top_k, min_p,
 repetition_penalty. Accepted and ignored, because by definition it does not change the output:
 `user` (an end-user id for the provider's abuse monitoring). Anything else is refused with a 400
@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+# the most completions one request may ask for (`n`); each is a request of its own in the engine
+MAX_CHOICES = 16
 PROMPT_SHAPES = "a non-empty string, a non-empty list of token ids, or a list holding one string"
 CONTENT_SHAPES = "a string, or a list of {'type': 'text', 'text': <string>} parts (images, audio: not supported)"
 
@@ -63,9 +65,9 @@ class SamplingRequest(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("allowed: 1 (one choice per request)")
+    def _choices(cls, n: int) -> int:
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"allowed: 1 to {MAX_CHOICES} completions per request")
         return n
 
     @field_validator("stream_options")

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,44 +164,57 @@ def build_app(
         config = generation_config_for(body, max_tokens, base_config)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         reply = _Reply(request_id, model_name, chat, include_usage)
-        text = IncrementalText(tokenizer, body.stop, with_logprobs=body.num_top_logprobs is not None)
-        outputs = _engine_outputs(request, engine_loop, request_id, prompt_ids, config, body.seed, body.num_top_logprobs)
+        choices = [
+            _Choice(index, request_id if body.n == 1 else f"{request_id}-{index}",
+                    IncrementalText(tokenizer, body.stop, with_logprobs=body.num_top_logprobs is not None))
+            for index in range(body.n)
+        ]  # fmt: skip
+        outputs = _EngineOutputs(request, engine_loop)
+        for choice in choices:
+            outputs.add(choice.request_id, prompt_ids, config, _choice_seed(body.seed, choice.index), body.num_top_logprobs)
+        by_id = {choice.request_id: choice for choice in choices}
 
-        def count(finish_reason: str) -> None:
+        def count(finish_reason: str | None = None) -> None:
+            """Each choice as one request, ended as it ended (`finish_reason` overrides: "error")."""
             endpoint = "chat_completions" if chat else "completions"
-            counters.finished(endpoint, finish_reason, len(prompt_ids), text.completion_tokens)
+            reasons = [finish_reason or choice.text.finish_reason or "abort" for choice in choices]
+            counters.finished(endpoint, reasons, len(prompt_ids), sum(c.text.completion_tokens for c in choices))
 
         try:  # a failure before the first token is an HTTP error, streamed or not
-            first = await anext(outputs, None)
+            first = await outputs.next()
             if first is not None:
                 _raise_on_error(first)
         except APIError:
+            outputs.close()
             count("error")
             raise
         if first is None:
-            count("abort")
+            outputs.close()
+            count()
             return Response(status_code=CLIENT_GONE)
         if body.stream:
-            return StreamingResponse(_events(first, outputs, text, reply, count), media_type="text/event-stream")
-        async with aclosing(outputs):
+            return StreamingResponse(_events(first, outputs, choices, by_id, reply, count), media_type="text/event-stream")
+        try:
             output = first
-            try:
-                while output is not None:
-                    _raise_on_error(output)
-                    text.advance(output)
-                    if text.finish_reason is not None:
+            while output is not None:
+                _raise_on_error(output)
+                choice = by_id[output.request_id]
+                choice.text.advance(output)
+                if choice.text.finish_reason is not None:
+                    outputs.abort(choice.request_id)  # a stop string ended its text: the engine may stop too
+                    if all(c.text.finish_reason is not None for c in choices):
                         break
-                    output = await anext(outputs, None)
-            except APIError:
-                count("error")
-                raise
-        if text.finish_reason is None:
-            count("abort")
+                output = await outputs.next()
+        except APIError:
+            count("error")
+            raise
+        finally:
+            outputs.close()
+        if any(choice.text.finish_reason is None for choice in choices):
+            count()
             return Response(status_code=CLIENT_GONE)
-        count(text.finish_reason)
-        return JSONResponse(
-            reply.whole(text.text, text.finish_reason, len(prompt_ids), text.completion_tokens, text.take_logprobs())
-        )
+        count()
+        return JSONResponse(reply.whole(choices, len(prompt_ids)))
 
     app.include_router(api)
     return app
@@ -241,31 +254,67 @@ def _check_length(prompt_len: int, max_tokens: int, max_model_len: int, prompt_f
                        f"{max_model_len}; allowed: max_tokens <= {max_model_len - prompt_len}", "max_tokens")
 
 
-async def _engine_outputs(request: Request, engine_loop: EngineLoop, request_id: str, prompt_ids: list[int],
-                          config: GenerationConfig, seed: int | None, logprobs: int | None) -> AsyncIterator[Any]:
-    """The request's `RequestOutput`s from the engine thread, until it finishes or the client goes away.
-    Closing this early (the client left, or a stop string ended the text) aborts the request."""
-    outputs = engine_loop.add(request_id, prompt_ids, config, seed, logprobs)
-    finished = False
-    try:
-        while not finished:
+def _choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index`'s seed: the request's plus the index (distinct choices, each reproducible),
+    wrapped into what torch's generators take."""
+    if seed is None:
+        return None
+    return seed + index if seed + index < 2**64 else seed + index - 2**64
+
+
+@dataclass
+class _Choice:
+    """One of a request's `n` completions: its request in the engine and its text."""
+
+    index: int
+    request_id: str
+    text: IncrementalText
+
+
+class _EngineOutputs:
+    """The `RequestOutput`s of one HTTP request's engine requests (its `n` choices) from the engine
+    thread, as they arrive, until each has finished or the client goes away. `abort(request_id)`: one
+    of them is no longer wanted; `close()` aborts every one still running (the client left, a failure,
+    or every choice's text is complete)."""
+
+    def __init__(self, request: Request, engine_loop: EngineLoop) -> None:
+        self.request, self.engine_loop = request, engine_loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.running: set[str] = set()
+
+    def add(self, request_id: str, prompt_ids: list[int], config: GenerationConfig, seed: int | None,
+            logprobs: int | None) -> None:
+        self.engine_loop.add(request_id, prompt_ids, config, seed, logprobs, outputs=self.queue)
+        self.running.add(request_id)
+
+    async def next(self) -> Any:
+        """The next output of a running request; None once none runs or the client went away. An
+        `EngineError` (the engine refused or failed) raises `APIError`."""
+        while self.running:
             try:
-                output = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_SECONDS)
+                output = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_SECONDS)
             except asyncio.TimeoutError:
                 output = None
-            if await request.is_disconnected():
-                return
-            if output is None:
-                continue
+            if await self.request.is_disconnected():
+                return None
             if isinstance(output, EngineError):
-                finished = True  # the engine holds nothing of it
                 raise APIError(output.status_code, output.message,
                                error_type="invalid_request_error" if output.status_code == 400 else "server_error")
-            finished = output.finished
-            yield output
-    finally:
-        if not finished:
-            engine_loop.abort(request_id)
+            if output is None or output.request_id not in self.running:  # nothing yet, or an aborted one's
+                continue
+            if output.finished:
+                self.running.discard(output.request_id)  # the engine holds nothing of it
+            return output
+        return None
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            self.running.discard(request_id)
+            self.engine_loop.abort(request_id)
+
+    def close(self) -> None:
+        for request_id in list(self.running):
+            self.abort(request_id)
 
 
 def _raise_on_error(output: Any) -> None:
@@ -378,20 +427,26 @@ class _Reply:
         self.model_name, self.chat, self.include_usage = model_name, chat, include_usage
         self.created = int(time.time())
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-              logprobs: list[LoggedToken] | None = None) -> dict:
-        choice = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        choices = [{"index": 0, **choice, "logprobs": _logprobs_json(logprobs, self.chat), "finish_reason": finish_reason}]
-        return self._body(choices, streaming=False, usage=_usage(prompt_tokens, completion_tokens))
+    def whole(self, choices: list[_Choice], prompt_tokens: int) -> dict:
+        """The response of finished `choices`."""
+        body = []
+        for choice in choices:
+            text = choice.text
+            content = {"message": {"role": "assistant", "content": text.text}} if self.chat else {"text": text.text}
+            body.append({"index": choice.index, **content, "logprobs": _logprobs_json(text.take_logprobs(), self.chat),
+                         "finish_reason": text.finish_reason})
+        completion_tokens = sum(choice.text.completion_tokens for choice in choices)
+        return self._body(body, streaming=False, usage=_usage(prompt_tokens, completion_tokens))
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, logprobs: list[LoggedToken] | None = None) -> str:
-        """One event; chat: `text` None is the first chunk (the assistant's role)."""
+    def chunk(self, text: str | None, finish_reason: str | None = None, logprobs: list[LoggedToken] | None = None,
+              index: int = 0) -> str:
+        """One event of choice `index`; chat: `text` None is its first chunk (the assistant's role)."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
             choice = {"delta": delta}
         else:
             choice = {"text": text}
-        choices = [{"index": 0, **choice, "logprobs": _logprobs_json(logprobs, self.chat), "finish_reason": finish_reason}]
+        choices = [{"index": index, **choice, "logprobs": _logprobs_json(logprobs, self.chat), "finish_reason": finish_reason}]
         return _event(self._body(choices, streaming=True, **({"usage": None} if self.include_usage else {})))
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:
@@ -416,35 +471,41 @@ def _event(body: dict) -> str:
 DONE_EVENT = "data: [DONE]\n\n"
 
 
-async def _events(first: Any, outputs: AsyncIterator[Any], text: IncrementalText, reply: _Reply,
-                  on_finish: Callable[[str], None]) -> AsyncIterator[str]:
-    """The server-sent events of a streamed request, from its first output on; an engine failure is an
-    error event (the status, 200, has been sent). `on_finish(finish_reason)` at the end ("abort" when
-    the client went away)."""
-    finish_reason = "abort"
-    async with aclosing(outputs):
-        try:
-            if reply.chat:
-                yield reply.chunk(None)
-            output = first
-            while output is not None:
-                if output.finish_reason == "error":
-                    finish_reason = "error"
-                    yield _event(error_body(f"the engine failed on this request: {output.error}", None, "server_error"))
-                    yield DONE_EVENT
-                    return
-                new_text = text.advance(output)
-                if new_text or text.finish_reason is not None:
-                    yield reply.chunk(new_text, text.finish_reason, text.take_logprobs())
-                if text.finish_reason is not None:
-                    finish_reason = text.finish_reason
+async def _events(first: Any, outputs: _EngineOutputs, choices: list[_Choice], by_id: dict[str, _Choice],
+                  reply: _Reply, on_finish: Callable[[str | None], None]) -> AsyncIterator[str]:
+    """The server-sent events of a streamed request, from its first output on: each choice's chunks
+    under its index, as its text grows. An engine failure is an error event (the status, 200, has
+    been sent). `on_finish(override)` at the end ("error" on a failure; None: each choice as it ended,
+    "abort" where the client went away)."""
+    failed = False
+    try:
+        if reply.chat:
+            for choice in choices:
+                yield reply.chunk(None, index=choice.index)
+        output = first
+        while output is not None:
+            if output.finish_reason == "error":
+                failed = True
+                yield _event(error_body(f"the engine failed on this request: {output.error}", None, "server_error"))
+                yield DONE_EVENT
+                return
+            choice = by_id[output.request_id]
+            text = choice.text
+            new_text = text.advance(output)
+            if new_text or text.finish_reason is not None:
+                yield reply.chunk(new_text, text.finish_reason, text.take_logprobs(), index=choice.index)
+            if text.finish_reason is not None:
+                outputs.abort(choice.request_id)  # a stop string ended its text: the engine may stop too
+                if all(c.text.finish_reason is not None for c in choices):
                     if reply.include_usage:
-                        yield reply.usage_chunk(output.prompt_len, text.completion_tokens)
+                        completion_tokens = sum(c.text.completion_tokens for c in choices)
+                        yield reply.usage_chunk(output.prompt_len, completion_tokens)
                     yield DONE_EVENT
                     return
-                output = await anext(outputs, None)
-        finally:
-            on_finish(finish_reason)
+            output = await outputs.next()
+    finally:
+        outputs.close()
+        on_finish("error" if failed else None)
 
 
 # engine.metrics fields exported as counters (cumulative) and gauges; docs/metrics.md says more
@@ -499,15 +560,17 @@ class _RequestCounters:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             "spec_decode_requests", "generation requests by endpoint and finish reason (stop, length, error, abort: "
-            "the client went away)", ["endpoint", "finish_reason"], registry=registry,
+            "the client went away); each of a request's n choices counts", ["endpoint", "finish_reason"], registry=registry,
         )  # fmt: skip
         self.prompt_tokens = Counter("spec_decode_prompt_tokens", "prompt tokens of those requests", registry=registry)
         self.completion_tokens = Counter(
             "spec_decode_completion_tokens", "tokens those requests generated", registry=registry
         )
 
-    def finished(self, endpoint: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
-        self.requests.labels(endpoint, finish_reason).inc()
+    def finished(self, endpoint: str, finish_reasons: list[str], prompt_tokens: int, completion_tokens: int) -> None:
+        """One HTTP request: each of its choices, the prompt once, the choices' tokens."""
+        for finish_reason in finish_reasons:
+            self.requests.labels(endpoint, finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.completion_tokens.inc(completion_tokens)
 
