@@ -61,13 +61,16 @@ def test_this_torch_has_onednn():
 @pytest.mark.parametrize("rows", [1, 2, 3, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 40])
 def test_numba_linear_matches_float64(rows, bias):
     torch.manual_seed(rows)
-    layer = torch.nn.Linear(96, 200, bias=bias)
+    layer = torch.nn.Linear(96, 203, bias=bias)  # 25 blocks of KERNEL_BLOCK output features and a partial one
     x = torch.randn(rows, 96)
     expected = torch.nn.functional.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
     with torch.no_grad(), fast_cpu_linears(layer, backend="numba"):
         got = layer(x)
-    assert got.dtype == torch.float32 and got.shape == (rows, 200)
+        alone = [layer(x[i : i + 1]) for i in range(min(rows, 3))]
+    assert got.dtype == torch.float32 and got.shape == (rows, 203)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    if rows <= cpu_linear.SMALL_BATCH_ROWS:  # the kernel computes a row the same whatever rows come with it
+        assert all(torch.equal(row, got[i : i + 1]) for i, row in enumerate(alone))
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -18,9 +18,12 @@ CPU, and no library is best everywhere:
   as fast for 4 to 16 rows as MKL does for one: on a 2-core Xeon (AVX-512), whole forwards of
   Qwen2.5-1.5B over 1 / 4 / 9 / 16 tokens cost 230 / 269 / 327 / 387 ms, against MKL's 230 / 453 /
   628 / 668 (and 461 / 473 / 518 asked as weight @ x.T).
-- `_small_batch_linear`, our numba kernel: each weight row is read once and dotted with every
-  input row while it sits in L1 (up to `SMALL_BATCH_ROWS`). On the EPYC: SmolLM2 forwards of 1,
-  2, 4 tokens 51 / 55 / 57 ms against MKL's 63 / 113 / 104; on the Xeon 47 / 56 / 69.
+- `_small_batch_linear`, our numba kernel: each block of 8 weight rows is read once and dotted
+  with every input row while it sits in L1 (up to `SMALL_BATCH_ROWS`). On the EPYC: SmolLM2
+  forwards of 1, 2, 4 tokens 51 / 55 / 57 ms against MKL's 63 / 113 / 104 (one weight row at a
+  time, as it was then). On the Xeon it wins narrowly at 4-8 rows of SmolLM2's smaller shapes
+  (576x576 weights streamed from memory, 4 rows: 0.082 ms against MKL's 0.090 and oneDNN's 0.085;
+  one row on MKL: 0.060).
 
 So "auto" (`plan_backends`) times every route over passes through a network's own linears (or,
 asked, over whole forwards of the model) at each row count of `PLAN_ROWS`, and each linear then
@@ -90,26 +93,56 @@ PER_LINEAR, WHOLE_FORWARD = "per-linear", "whole-forward"  # what a plan's passe
 # other than 0 / false / no in REPLAN_ENV makes each process time its plans again (and store them)
 PLAN_FOLDER = "cpu_linear_plans"
 REPLAN_ENV = "HF_SPECDEC_REPLAN_LINEARS"
-PLAN_FORMAT = 2  # 2: the oneDNN route runs on packed weights
+PLAN_FORMAT = 3  # 2: the oneDNN route runs on packed weights; 3: the numba kernel's blocks of 8
+
+
+# output features per block of `_small_batch_linear`: each input value loaded once feeds this many
+# dot products (with one it was compute-bound: a 4-row pass cost 1.56x a 1-row one on the Xeon)
+KERNEL_BLOCK = 8
 
 
 @numba.njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)
 def _small_batch_linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
     """out[m, n] = x[m] . weight[n] (+ bias[n] when bias is not empty), for few rows m.
 
-    Output features are split across threads; each weight row is read from memory once and reused
-    for every input row from cache. `reassoc` lets LLVM vectorise the dot product (a fixed
-    summation order, the same for every row); no other fast-math flag, so inf / nan propagate.
-    Not `nogil`: holding the GIL keeps generate() calls in several Python threads from launching
-    it at once, which numba's fallback threading layer (workqueue) does not survive.
+    Output features are split across threads in blocks of `KERNEL_BLOCK` weight rows; a block is
+    read from memory once and reused for every input row from cache, and each input value loaded
+    serves the block's 8 dot products at once. `reassoc` lets LLVM vectorise each dot product (a
+    fixed summation order per output feature, the same for every row and row count); no other
+    fast-math flag, so inf / nan propagate. Not `nogil`: holding the GIL keeps generate() calls in
+    several Python threads from launching it at once, which numba's fallback threading layer
+    (workqueue) does not survive.
     """
     num_rows, in_features = x.shape
-    for n in numba.prange(weight.shape[0]):
-        for m in range(num_rows):
-            total = np.float32(0.0)
-            for i in range(in_features):
-                total += x[m, i] * weight[n, i]
-            out[m, n] = total + bias[n] if bias.shape[0] else total
+    out_features = weight.shape[0]
+    for block in numba.prange((out_features + KERNEL_BLOCK - 1) // KERNEL_BLOCK):
+        n = block * KERNEL_BLOCK
+        if n + KERNEL_BLOCK <= out_features:
+            for m in range(num_rows):
+                t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = np.float32(0.0)
+                for i in range(in_features):
+                    value = x[m, i]
+                    t0 += value * weight[n, i]
+                    t1 += value * weight[n + 1, i]
+                    t2 += value * weight[n + 2, i]
+                    t3 += value * weight[n + 3, i]
+                    t4 += value * weight[n + 4, i]
+                    t5 += value * weight[n + 5, i]
+                    t6 += value * weight[n + 6, i]
+                    t7 += value * weight[n + 7, i]
+                out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = t0, t1, t2, t3
+                out[m, n + 4], out[m, n + 5], out[m, n + 6], out[m, n + 7] = t4, t5, t6, t7
+        else:  # the last, partial block
+            for m in range(num_rows):
+                for j in range(n, out_features):
+                    total = np.float32(0.0)
+                    for i in range(in_features):
+                        total += x[m, i] * weight[j, i]
+                    out[m, j] = total
+        if bias.shape[0]:
+            for m in range(num_rows):
+                for j in range(n, min(n + KERNEL_BLOCK, out_features)):
+                    out[m, j] += bias[j]
 
 
 @functools.cache
