@@ -257,8 +257,8 @@ def test_mixed_greedy_and_sampled_requests_with_a_draft_model(model):
     engine = SpeculativeEngine(model, config, max_batch_size=4)
     prompts = repeated_span_prompts(4, seed=21)
     sampled = {"max_new_tokens": 24, "do_sample": True, "temperature": 0.8}
-    for prompt in prompts[1:]:
-        engine.add_request(prompt, sampled, seed=3)
+    for prompt, seed in zip(prompts[1:], (3, -5, 2**64 - 1)):  # any seed torch takes
+        engine.add_request(prompt, sampled, seed=seed)
     assert _finished(engine, prompts[0], {"max_new_tokens": 24, "do_sample": False}, seed=None) == _alone(model, prompts[0], 24)
 
 

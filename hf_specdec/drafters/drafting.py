@@ -102,7 +102,8 @@ class DraftTokenPicker:
         generator = self._generators.get(row)
         if generator is None:
             own = self._row_sampling.get(row)
-            entropy = [self.sampling.seed, row, DRAFT_STREAM_TAG] if own is None else [own.seed, DRAFT_STREAM_TAG]
+            # SeedSequence takes non-negative entropy only; a request's seed may be negative (as torch's)
+            entropy = [self.sampling.seed % 2**64, row, DRAFT_STREAM_TAG] if own is None else [own.seed % 2**64, DRAFT_STREAM_TAG]
             seed = int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
             generator = self._generators[row] = torch.Generator(device=self.device).manual_seed(seed)
         return generator
