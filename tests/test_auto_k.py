@@ -163,6 +163,29 @@ def test_controller_turns_speculation_off_when_drafts_cost_too_much():
     assert sum(k > 0 for k in chosen[100:]) > 0.9 * 200
 
 
+def test_early_rejections_do_not_switch_speculation_off():
+    """Bad luck at the start (a true alpha of 0.43, drafts cheap, the first four rejected: EAGLE-3 on
+    SmolLM2 at batch 1) leaves speculation on: it goes off on an optimistic alpha, not on the
+    estimate those four pushed to about 0.2."""
+    controller = AutoKController(k_max=3, probe_interval=32)
+    for _ in range(auto_k.UNTIMED_STEPS):  # the prompts' step and the drafter's catch-up: acceptance only
+        controller.record_step(0.1, controller.next_k(1), [1], [0])
+    assert controller.next_k(1) == 0  # the plain probe
+    controller.record_step(0.040, 0, [0], [0])
+    for _ in range(4):
+        k = controller.next_k(1)
+        assert k > 0
+        controller.record_step(0.040 * (1 + 0.2 * k), k, [k], [0])
+    costs = [controller.step_cost(1, k) for k in (1, 2, 3)]
+    assert controller.alpha < 0.3 and choose_k_for_costs(controller.alpha, costs) == 0  # the estimate would stop
+    assert controller.optimistic_alpha > controller.alpha and controller.next_k(1) > 0
+    # with acceptances coming in, it keeps drafting, at the estimate's best k
+    for _ in range(20):
+        k = controller.next_k(1)
+        controller.record_step(0.040 * (1 + 0.2 * k), k, [k], [min(k, 1)])
+    assert controller.alpha > 0.4 and controller.next_k(1) > 0
+
+
 def test_controller_keeps_c_per_batch_size():
     # rows finish: 8 rows where drafts cost too much, then the last row alone, where they are cheap
     def rows_of_step(step):

@@ -55,6 +55,12 @@ fixed k when it started from the priors in every call). `forget(model)` starts i
   position: SmolLM2's head at batch 8 took 450 ms there against 100 ms for a decode step, which
   priced k = 2 at 3.4 plain steps and turned drafting off for the rest of the run). Neither says
   what a decode step costs: their times are not used (their acceptance is).
+- Off only when even an optimistic alpha (`optimistic_alpha`: one standard error above the
+  estimate, the decayed trial count as the sample size) predicts no k above 1; k itself is chosen
+  on the estimate. A few early rejections (EAGLE-3 on SmolLM2 at batch 1: its first four drafts
+  rejected, alpha 0.18 against a true 0.43) had switched it off, and one exploratory draft per
+  `probe_interval` steps brought it back only after hundreds of steps (auto k at 90% of the best
+  fixed k on that run).
 - While speculation is off, every `probe_interval` steps one step drafts anyway, at the k the
   formula ranks best, so a text that became predictable turns it back on.
 """
@@ -220,10 +226,17 @@ class AutoKController:
         near = [rows for rows in self._plain if abs(rows - num_rows) <= PLAIN_BORROW_RANGE * rows]
         return self._plain[min(near, key=lambda rows: (abs(rows - num_rows), -rows))] if near else None
 
+    @property
+    def optimistic_alpha(self) -> float:
+        """alpha one standard error above its estimate (the decayed trial count as the sample size):
+        what speculation is switched off on (module docstring)."""
+        alpha, trials = self._alpha.value, self._alpha.denominator
+        return min(1.0, alpha + (alpha * (1 - alpha) / trials) ** 0.5)
+
     def next_k(self, num_rows: int) -> int:
         """k for the next step of `num_rows` active rows: the formula's choice, or a probe."""
         costs = [self.step_cost(num_rows, k) for k in range(1, self.k_max + 1)]
-        k = choose_k_for_costs(self.alpha, costs)
+        k = best_k_for_costs(self.alpha, costs) if choose_k_for_costs(self.optimistic_alpha, costs) else 0
         if self._untimed_steps:  # no decode timing to take: speculate on the estimates
             return k
         plain = self._plain_time(num_rows)
