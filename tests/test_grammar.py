@@ -29,6 +29,7 @@ from scipy.stats import chisquare
 from xgrammar.contrib.hf import LogitsProcessor as XgrammarProcessor
 
 import hf_specdec
+from hf_specdec import SpeculativeEngine
 from hf_specdec.loop import step
 from hf_specdec.sampling import grammar as grammar_module
 
@@ -223,3 +224,51 @@ def test_grammar_processors_we_cannot_roll_back_are_refused():
     with pytest.raises(ValueError, match="RegexLogitsProcessor is not supported with speculative decoding: outlines"):
         model.generate(**inputs, max_new_tokens=4, logits_processor=[outlines_like()],
                        custom_generate=hf_specdec.generate, speculative_config={"method": "ngram"})
+
+
+def _engine_outputs(engine, requests: list[tuple[list[int], dict, object]]) -> list[list[int]]:
+    ids = [engine.add_request(prompt, config, grammar=grammar, seed=1) for prompt, config, grammar in requests]
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [outputs[i] for i in ids]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_engine_requests_follow_their_own_grammar(drafter):
+    """An engine request with a grammar equals plain constrained generate() alone (greedy), beside
+    unconstrained requests that stay as they are; a sampled one follows the grammar too."""
+    model = build_tiny_llama()
+    config = {"method": "ngram", "num_speculative_tokens": 4} if drafter == "ngram" else {
+        "method": "draft_model", "model": build_tiny_llama(seed=3), "num_speculative_tokens": 3
+    }
+    engine = SpeculativeEngine(model, config, max_batch_size=4)
+    prompts = repeated_span_prompts(3)
+    greedy = {"max_new_tokens": 24, "do_sample": False}
+    constrained, free, sampled = _engine_outputs(engine, [
+        (prompts[0], greedy, word_grammar()), (prompts[1], greedy, None),
+        (prompts[2], {"max_new_tokens": 24, "do_sample": True, "temperature": 1.2}, word_grammar()),
+    ])  # fmt: skip
+    alone = {k: torch.tensor([p]) for k, p in (("input_ids", prompts[0]),)}
+    alone["attention_mask"] = torch.ones_like(alone["input_ids"])
+    expected = generate(model, alone, max_new_tokens=24, do_sample=False)[0, len(prompts[0]) :].tolist()
+    assert constrained == expected
+    unconstrained = plain_generate(model, input_ids=torch.tensor([prompts[1]]), max_new_tokens=24, do_sample=False)
+    assert free == unconstrained[0, len(prompts[1]) :].tolist()
+    for row in (constrained, sampled):
+        text = "".join(WORDS[t] for t in row if t != EOS_TOKEN_ID)
+        assert re.fullmatch(WORD_PATTERN, text), text
+    assert constrained != plain_generate(model, **alone, max_new_tokens=24, do_sample=False)[0, len(prompts[0]) :].tolist()
+
+
+def test_engine_refuses_a_grammar_it_cannot_apply():
+    model = build_tiny_llama()
+    engine = SpeculativeEngine(model, {"method": "ngram", "num_speculative_tokens": 2}, max_batch_size=2)
+    with pytest.raises(ValueError, match="grammar must be an xgrammar CompiledGrammar"):
+        engine.add_request([5, 6, 7], {"max_new_tokens": 4}, grammar=WORD_PATTERN)
+    other_vocab = xgr.GrammarCompiler(xgr.TokenizerInfo(WORDS[:-1], xgr.VocabType.RAW)).compile_regex("w1[0-9]")
+    with pytest.raises(ValueError, match="vocab_size"):
+        engine.add_request([5, 6, 7], {"max_new_tokens": 4}, grammar=other_vocab)
+    tree = SpeculativeEngine(model, {"method": "ngram", "num_speculative_tokens": 2, "tree": {"num_nodes": 4}})
+    with pytest.raises(ValueError, match="tree"):
+        tree.add_request([5, 6, 7], {"max_new_tokens": 4}, grammar=word_grammar())

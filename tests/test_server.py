@@ -623,3 +623,54 @@ def test_run_app_drives_the_engine_on_the_calling_thread(tokenizer, reference):
     app.state.engine_loop.stop()  # as uvicorn's shutdown does: the loop ends, then the HTTP thread
     caller.join(timeout=30)
     assert not caller.is_alive()
+
+
+def test_response_format_is_plain_constrained_generate():
+    """json_schema / json_object: the reply equals plain greedy generate() with xgrammar's processor
+    for the same schema (a tiny random Llama over SmolLM2's tokenizer, which can spell JSON); a bad
+    schema or a missing one is a 400 naming it."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+    from xgrammar.contrib.hf import LogitsProcessor as XgrammarProcessor
+
+    from hf_specdec.models.real_models import smollm2_path
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    special = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id, "pad_token_id": 0}
+    model, reference = (build_tiny_llama(vocab_size=len(tokenizer), **special) for _ in range(2))
+    engine = SpeculativeEngine(model, ngram_config(k=3), max_batch_size=4, tokenizer=tokenizer)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer)))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}}, "required": ["ok", "n"]}
+    prompt_ids = tokenizer("The answer, as JSON:").input_ids
+
+    def constrained(grammar) -> str:
+        out = plain_generate(
+            reference, input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=24, do_sample=False, logits_processor=[XgrammarProcessor(grammar)],
+        )  # fmt: skip
+        return tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
+
+    with running_server(build_app(engine, tokenizer, "tiny-json")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        formats = {
+            "json_schema": ({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
+                            compiler.compile_json_schema(json.dumps(schema))),
+            "json_object": ({"type": "json_object"}, compiler.compile_json_schema('{"type": "object"}', strict_mode=False)),
+        }  # fmt: skip
+        texts = {}
+        for name, (response_format, grammar) in formats.items():
+            reply = client.completions.create(
+                model="tiny-json", prompt=prompt_ids, max_tokens=24, temperature=0, extra_body={"response_format": response_format}
+            )
+            texts[name] = reply.choices[0].text
+            assert texts[name] == constrained(grammar), name
+            assert texts[name].lstrip().startswith("{"), texts[name]
+        free = client.completions.create(model="tiny-json", prompt=prompt_ids, max_tokens=24, temperature=0).choices[0].text
+        assert free not in texts.values()  # the constraint changed the output: the comparison proves something
+        for bad, param in (
+            ({"type": "json_schema"}, "response_format"),
+            ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nonsense"}}}, "response_format.json_schema.schema"),
+            ({"type": "xml"}, "response_format.type"),
+        ):  # fmt: skip
+            response = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "response_format": bad})
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

@@ -241,6 +241,7 @@ class SpeculativeEngine:
         seed: int | None = None,
         request_id: str | None = None,
         logprobs: int | None = None,
+        grammar: object | None = None,
     ) -> str:
         """Queue a request; it joins the batch at a step boundary. Returns its id.
 
@@ -249,7 +250,9 @@ class SpeculativeEngine:
         `repetition_penalty`, `eos_token_id`, `stop_strings`, ...). `seed`: the sampled request's
         own generator (None: a random seed). `logprobs`: each output token's log-probability and
         those of the `logprobs` most likely tokens (0 to `MAX_TOP_LOGPROBS`; `TokenLogprob`).
-        ValueError naming the field for bad input.
+        `grammar`: an xgrammar `CompiledGrammar` (JSON schema, regex, EBNF) the output must follow,
+        masked at every position exactly as plain `generate()` masks it with xgrammar's processor
+        (`sampling/grammar.py`). ValueError naming the field for bad input.
         """
         if self._row_processors is None:
             raise RuntimeError("this engine runs generate()'s fixed batch; it takes no requests")
@@ -285,6 +288,9 @@ class SpeculativeEngine:
             not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
         ):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} or None, got {logprobs!r}")
+        constraint = LogitsProcessorList() if grammar is None else LogitsProcessorList(
+            [SpeculativeGrammar([self._check_grammar(grammar)], prompt_width=len(prompt))]
+        )
         generator = None
         if config.do_sample:
             seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item())
@@ -292,8 +298,8 @@ class SpeculativeEngine:
         config.max_length = max_length  # what plain generate() derives from max_new_tokens
         processors = self.model._get_logits_processor(
             generation_config=config, input_ids_seq_length=len(prompt), encoder_input_ids=torch.from_numpy(prompt)[None],
-            logits_processor=LogitsProcessorList(), device=self.model.device, model_kwargs={},
-        )  # fmt: skip
+            logits_processor=constraint, device=self.model.device, model_kwargs={},
+        )  # fmt: skip  (the grammar where generate() puts a user's processor: before the sampling warpers)
         check_supported_processors(processors)
         draft_sampling = None if generator is None else DraftSampling.sampled(processors, seed)
         criteria = self.model._get_stopping_criteria(config, StoppingCriteriaList(), tokenizer=self.tokenizer)
@@ -306,6 +312,19 @@ class SpeculativeEngine:
             )
         )  # fmt: skip
         return request_id
+
+    def _check_grammar(self, grammar: object) -> object:
+        if type(grammar).__name__ != "CompiledGrammar" or not type(grammar).__module__.startswith("xgrammar"):
+            raise ValueError(f"grammar must be an xgrammar CompiledGrammar, got {type(grammar).__name__}")
+        if self.config.tree is not None:
+            raise ValueError("grammar cannot be combined with speculative_config.tree yet; allowed: chain drafts")
+        vocab_size = self.model.config.get_text_config().vocab_size
+        if grammar.tokenizer_info.vocab_size != vocab_size:
+            raise ValueError(
+                f"grammar: its tokenizer info has vocab_size {grammar.tokenizer_info.vocab_size}, the model's logits "
+                f"{vocab_size}; build it with xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size={vocab_size})"
+            )
+        return grammar
 
     def _request_config(self, given: GenerationConfig | dict | None) -> GenerationConfig:
         if not (given is None or isinstance(given, (GenerationConfig, dict))):

@@ -40,15 +40,27 @@ def is_xgrammar_processor(processor: object) -> bool:
 
 
 class SpeculativeGrammar:
-    """The speculative stand-in for one xgrammar transformers processor: a matcher per batch row.
+    """The speculative stand-in for xgrammar's transformers processor: a matcher per batch row.
 
-    `prompt_width`: the columns of the (left-padded) prompt in the loop's token buffer; the matcher
-    of a row holds the `consumed[row]` tokens after them that the row has emitted.
+    `grammars`: one xgrammar `CompiledGrammar` per row. `prompt_width`: the columns of the
+    (left-padded) prompt in the loop's token buffer; the matcher of a row holds the `consumed[row]`
+    tokens after them that the row has emitted. The engine builds one per request
+    (`SpeculativeEngine.add_request(..., grammar=)`), a batch of one row.
     """
 
-    def __init__(self, processor: object, batch_size: int, prompt_width: int):
+    def __init__(self, grammars: list, prompt_width: int):
         import xgrammar as xgr
 
+        self._xgr = xgr
+        self.vocab_size = grammars[0].tokenizer_info.vocab_size
+        self.matchers = [xgr.GrammarMatcher(grammar) for grammar in grammars]
+        self.prompt_width = prompt_width
+        self.consumed = np.zeros(len(grammars), dtype=np.int64)
+        self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+
+    @classmethod
+    def from_processor(cls, processor: object, batch_size: int, prompt_width: int) -> SpeculativeGrammar:
+        """The stand-in for xgrammar's processor `processor` in a generate() call of `batch_size` rows."""
         if processor.matchers:
             raise ValueError(
                 "this xgrammar LogitsProcessor was already used by an earlier generate() call; xgrammar's "
@@ -62,12 +74,7 @@ class SpeculativeGrammar:
                 f"the xgrammar LogitsProcessor holds {len(grammars)} grammars for a batch of {batch_size} rows; "
                 "allowed: one grammar, or one per row"
             )
-        self._xgr = xgr
-        self.vocab_size = grammars[0].tokenizer_info.vocab_size
-        self.matchers = [xgr.GrammarMatcher(grammar) for grammar in grammars]
-        self.prompt_width = prompt_width
-        self.consumed = np.zeros(batch_size, dtype=np.int64)
-        self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        return cls(grammars, prompt_width)
 
     def process(
         self, scores: torch.Tensor, token_buffer: torch.Tensor, buffer_rows: np.ndarray, prefix_lens: np.ndarray
@@ -130,7 +137,8 @@ def with_speculative_grammars(
     if not any(is_xgrammar_processor(p) for p in logits_processor):
         return logits_processor
     return LogitsProcessorList(
-        SpeculativeGrammar(p, batch_size, prompt_width) if is_xgrammar_processor(p) else p for p in logits_processor
+        SpeculativeGrammar.from_processor(p, batch_size, prompt_width) if is_xgrammar_processor(p) else p
+        for p in logits_processor
     )
 
 
@@ -139,9 +147,24 @@ def cut_forbidden_drafts(
 ) -> list[np.ndarray]:
     """Each row's deterministic drafts up to the first one a grammar forbids (see the module docstring
     for why only drafts that carry no q of their own may be cut)."""
-    grammars = [p for p in logits_processor if isinstance(p, SpeculativeGrammar)]
-    if not grammars:
-        return drafts
-    return [
-        d[: min(g.allowed_prefix(int(row), d) for g in grammars)] if len(d) else d for row, d in zip(rows, drafts)
-    ]
+    cut = []
+    for row, row_drafts in zip(rows, drafts):
+        grammars = row_grammars(logits_processor, int(row))
+        if grammars and len(row_drafts):
+            row_drafts = row_drafts[: min(g.allowed_prefix(at, row_drafts) for g, at in grammars)]
+        cut.append(row_drafts)
+    return cut
+
+
+def row_grammars(logits_processor: LogitsProcessorList, row: int) -> list[tuple[SpeculativeGrammar, int]]:
+    """The grammars constraining batch row `row`, each with the row's index in it: the batch's
+    (generate()), or its request's own (the engine's per-row processors: a batch of one)."""
+    from .logits_processing import RowLogitsProcessors  # here: that module imports this one
+
+    found = []
+    for processor in logits_processor:
+        if isinstance(processor, SpeculativeGrammar):
+            found.append((processor, row))
+        elif isinstance(processor, RowLogitsProcessors):
+            found.extend((g, 0) for g in processor.by_row.get(row, ()) if isinstance(g, SpeculativeGrammar))
+    return found

@@ -20,7 +20,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation import logits_process, stopping_criteria
 
 from ..transfer import to_device
-from .grammar import SpeculativeGrammar
+from .grammar import SpeculativeGrammar, row_grammars
 
 # Processors whose output does not depend on input_ids: one call covers every position.
 _POSITION_FREE = tuple(
@@ -130,9 +130,8 @@ def process_logits(
 
 def accept_emitted(logits_processor: LogitsProcessorList, row: int, tokens: torch.Tensor) -> None:
     """Tell the processors that keep per-row state (grammars) what the row emitted this step."""
-    for processor in logits_processor:
-        if isinstance(processor, SpeculativeGrammar):
-            processor.accept_emitted(row, tokens)
+    for grammar, at in row_grammars(logits_processor, row):
+        grammar.accept_emitted(at, tokens)
 
 
 class StopChecker:

@@ -52,6 +52,7 @@ class _Add:
     event_loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     logprobs: int | None = None
+    grammar: Any = None
 
 
 @dataclass
@@ -91,14 +92,14 @@ class EngineLoop:
 
     def add(
         self, request_id: str, prompt_ids: list[int], generation_config: Any, seed: int | None, logprobs: int | None = None,
-        outputs: asyncio.Queue | None = None,
+        outputs: asyncio.Queue | None = None, grammar: Any = None,
     ) -> asyncio.Queue:
         """Queues the request (`SpeculativeEngine.add_request`'s arguments); returns the asyncio queue its
         outputs (or an EngineError) arrive on: `outputs` when given (several requests may share one: each
         output names its request), else a new one. Call from the event loop's thread."""
         outputs = asyncio.Queue() if outputs is None else outputs
         self._commands.put(
-            _Add(request_id, prompt_ids, generation_config, seed, asyncio.get_running_loop(), outputs, logprobs)
+            _Add(request_id, prompt_ids, generation_config, seed, asyncio.get_running_loop(), outputs, logprobs, grammar)
         )
         return outputs
 
@@ -137,7 +138,7 @@ class EngineLoop:
         try:
             self.engine.add_request(
                 command.prompt_ids, command.generation_config, seed=command.seed, request_id=command.request_id,
-                logprobs=command.logprobs,
+                logprobs=command.logprobs, grammar=command.grammar,
             )
         except ValueError as error:  # the engine's own checks of the request: the client's error
             self._send(sink, EngineError(str(error), 400))

@@ -8,19 +8,20 @@ are allowed instead of listing one pydantic error per shape.
 
 Supported: model (the served model's name, or left out), prompt / messages (roles system, user,
 assistant; text content), max_tokens (chat: or max_completion_tokens), temperature (0: greedy),
-top_p, seed, stop, stream, stream_options.include_usage, n (1 to MAX_CHOICES), logprobs (completions: 0 to 5
-alternatives; chat: logprobs true with top_logprobs 0 to 20), and vLLM's extensions top_k, min_p,
-repetition_penalty. Accepted and ignored, because by definition it does not change the output:
+top_p, seed, stop, stream, stream_options.include_usage, n (1 to MAX_CHOICES), logprobs
+(completions: 0 to 5 alternatives; chat: logprobs true with top_logprobs 0 to 20), response_format
+(text, json_object, json_schema: through xgrammar, the `structured` extra), and vLLM's extensions
+top_k, min_p, repetition_penalty. Accepted and ignored, because by definition it does not change the output:
 `user` (an end-user id for the provider's abuse monitoring). Anything else is refused with a 400
-naming the field (echo, suffix, best_of, presence / frequency penalties, logit_bias, tools,
-response_format, ...: not implemented).
+naming the field (echo, suffix, best_of, presence / frequency penalties, logit_bias, tools, ...:
+not implemented).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # the most completions one request may ask for (`n`); each is a request of its own in the engine
 MAX_CHOICES = 16
@@ -32,6 +33,31 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # "schema" shadows a pydantic BaseModel attribute: held as json_schema, named schema in JSON
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's structured output: text (no constraint), any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("allowed: a json_schema exactly when type is 'json_schema'")
+        return self
 
 
 class SamplingRequest(BaseModel):
@@ -51,6 +77,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    response_format: ResponseFormat | None = None  # structured output, through xgrammar
     user: str | None = None  # accepted and ignored: an end-user id, no effect on the output
 
     @field_validator("stop", mode="before")

@@ -50,6 +50,7 @@ from .engine_loop import EngineError, EngineLoop
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ResponseFormat,
     SamplingRequest,
     error_body,
     validation_error_body,
@@ -95,6 +96,7 @@ def build_app(
     counters = _RequestCounters(registry)
     base_config = engine.model.generation_config
     max_model_len = engine.max_model_len
+    grammars = _GrammarCompiler(tokenizer, engine.model.config.get_text_config().vocab_size)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -169,9 +171,11 @@ def build_app(
                     IncrementalText(tokenizer, body.stop, with_logprobs=body.num_top_logprobs is not None))
             for index in range(body.n)
         ]  # fmt: skip
+        grammar = await grammars.compile(body.response_format)
         outputs = _EngineOutputs(request, engine_loop)
         for choice in choices:
-            outputs.add(choice.request_id, prompt_ids, config, _choice_seed(body.seed, choice.index), body.num_top_logprobs)
+            outputs.add(choice.request_id, prompt_ids, config, _choice_seed(body.seed, choice.index), body.num_top_logprobs,
+                        grammar)  # fmt: skip
         by_id = {choice.request_id: choice for choice in choices}
 
         def count(finish_reason: str | None = None) -> None:
@@ -254,6 +258,41 @@ def _check_length(prompt_len: int, max_tokens: int, max_model_len: int, prompt_f
                        f"{max_model_len}; allowed: max_tokens <= {max_model_len - prompt_len}", "max_tokens")
 
 
+class _GrammarCompiler:
+    """`response_format` -> an xgrammar `CompiledGrammar` (None for text): xgrammar's compiler for the
+    served tokenizer, built at the first request that asks (xgrammar is the optional `structured`
+    extra), its compiled grammars cached by xgrammar. Compiling runs off the event loop."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    async def compile(self, response_format: ResponseFormat | None) -> Any:
+        if response_format is None or response_format.type == "text":
+            return None
+        return await asyncio.to_thread(self._compile, response_format)
+
+    def _compile(self, response_format: ResponseFormat) -> Any:
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise APIError(400, "response_format needs xgrammar on the server: pip install 'hf-specdec[structured]'",
+                           "response_format") from None
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info)
+        if response_format.type == "json_object":  # OpenAI's JSON mode: any JSON object
+            return self._compiler.compile_json_schema(json.dumps({"type": "object"}), strict_mode=False)
+        schema = response_format.json_schema
+        try:
+            return self._compiler.compile_json_schema(json.dumps(schema.json_schema), strict_mode=schema.strict is not False)
+        except Exception as error:  # xgrammar's message names what it cannot take
+            raise APIError(400, f"response_format.json_schema.schema is not a JSON schema xgrammar can compile: {error}",
+                           "response_format.json_schema.schema") from None
+
+
 def _choice_seed(seed: int | None, index: int) -> int | None:
     """Choice `index`'s seed: the request's plus the index (distinct choices, each reproducible),
     wrapped into what torch's generators take."""
@@ -283,8 +322,8 @@ class _EngineOutputs:
         self.running: set[str] = set()
 
     def add(self, request_id: str, prompt_ids: list[int], config: GenerationConfig, seed: int | None,
-            logprobs: int | None) -> None:
-        self.engine_loop.add(request_id, prompt_ids, config, seed, logprobs, outputs=self.queue)
+            logprobs: int | None, grammar: Any = None) -> None:
+        self.engine_loop.add(request_id, prompt_ids, config, seed, logprobs, outputs=self.queue, grammar=grammar)
         self.running.add(request_id)
 
     async def next(self) -> Any:
