@@ -296,10 +296,11 @@ class SpeculativeEngine:
             seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item())
             generator = torch.Generator(device=self.model.device).manual_seed(seed)
         config.max_length = max_length  # what plain generate() derives from max_new_tokens
+        # the grammar goes where generate() puts a user's processor: before the sampling warpers
         processors = self.model._get_logits_processor(
             generation_config=config, input_ids_seq_length=len(prompt), encoder_input_ids=torch.from_numpy(prompt)[None],
             logits_processor=constraint, device=self.model.device, model_kwargs={},
-        )  # fmt: skip  (the grammar where generate() puts a user's processor: before the sampling warpers)
+        )  # fmt: skip
         check_supported_processors(processors)
         draft_sampling = None if generator is None else DraftSampling.sampled(processors, seed)
         criteria = self.model._get_stopping_criteria(config, StoppingCriteriaList(), tokenizer=self.tokenizer)
