@@ -272,3 +272,23 @@ def test_engine_refuses_a_grammar_it_cannot_apply():
     tree = SpeculativeEngine(model, {"method": "ngram", "num_speculative_tokens": 2, "tree": {"num_nodes": 4}})
     with pytest.raises(ValueError, match="tree"):
         tree.add_request([5, 6, 7], {"max_new_tokens": 4}, grammar=word_grammar())
+
+
+def test_engine_sampled_requests_follow_the_constrained_distribution():
+    """Engine requests with a grammar and drafts sampled from a draft model's q (never cut before the
+    verify: the masked verify must reject forbidden ones) follow plain constrained generate()'s distribution."""
+    from test_draft_model import perturbed_copy
+
+    model = build_small_vocab_llama()
+    exact = exact_constrained_distribution(model)
+    engine = SpeculativeEngine(
+        model, {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3}, max_batch_size=64
+    )
+    config = {"max_new_tokens": NEW_TOKENS, "do_sample": True, "pad_token_id": 0, **SAMPLING}
+    ids = [engine.add_request(PROMPT, config, grammar=letter_grammar(), seed=seed) for seed in range(3000)]
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    samples = np.array([finished[i] for i in ids])
+    assert engine.metrics.num_accepted_tokens > 0
+    assert constrained_pvalue(samples, exact) > 1e-3
