@@ -53,16 +53,22 @@ def generate(model, inputs, config=None, **kwargs):
     )
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def drafter_config(drafter: str) -> dict:
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+        "draft_model": {"method": "draft_model", "model": build_tiny_llama(seed=3), "num_speculative_tokens": 3},
+        # a tree's nodes are masked each for the path to it (no cut before the verify)
+        "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "tree": {"num_nodes": 8, "topk": 2}},
+    }[drafter]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "ngram_tree"])
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_greedy_matches_plain_constrained_generate(drafter, batch_size):
     model = build_tiny_llama()
     inputs = left_padded_batch(repeated_span_prompts(batch_size))
     plain = generate(model, inputs, max_new_tokens=24, do_sample=False)
-    config = {"method": "ngram", "num_speculative_tokens": 4} if drafter == "ngram" else {
-        "method": "draft_model", "model": build_tiny_llama(seed=3), "num_speculative_tokens": 3
-    }
-    out = generate(model, inputs, config, max_new_tokens=24, do_sample=False)
+    out = generate(model, inputs, drafter_config(drafter), max_new_tokens=24, do_sample=False)
     assert torch.equal(out.sequences, plain)
     width = inputs["input_ids"].shape[1]
     for row in out.sequences[:, width:].tolist():
@@ -70,7 +76,7 @@ def test_greedy_matches_plain_constrained_generate(drafter, batch_size):
         assert re.fullmatch(WORD_PATTERN, text), text  # every output follows the grammar
     unconstrained = plain_generate(model, **inputs, max_new_tokens=24, do_sample=False)
     assert not torch.equal(unconstrained, plain), "the grammar changes nothing: the test would prove little"
-    if drafter == "ngram":
+    if drafter != "draft_model":
         assert out.spec_metrics["num_accepted_tokens"] > 0
 
 
@@ -138,7 +144,10 @@ def _allowed(prefix: tuple[int, ...]) -> bool:
     return all(matcher.accept_token(t) for t in prefix)
 
 
-def constrained_samples(model, num_samples: int, seed: int, rows: int = 500) -> np.ndarray:
+NGRAM_CHAIN = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def constrained_samples(model, num_samples: int, seed: int, rows: int = 500, config: dict = NGRAM_CHAIN) -> np.ndarray:
     samples = []
     for call in range(num_samples // rows):
         input_ids = torch.tensor([PROMPT] * rows)
@@ -146,8 +155,7 @@ def constrained_samples(model, num_samples: int, seed: int, rows: int = 500) -> 
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
             do_sample=True, pad_token_id=0, logits_processor=[XgrammarProcessor(letter_grammar())],
             custom_generate=hf_specdec.generate, return_dict_in_generate=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                "prompt_lookup_max": 3, "seed": seed + call * rows},
+            speculative_config={**config, "seed": seed + call * rows},
             **SAMPLING,
         )
         assert out.spec_metrics["num_accepted_tokens"] > 0
@@ -181,14 +189,43 @@ def test_sampled_output_follows_the_constrained_distribution():
     assert constrained_pvalue(samples, exact) > 1e-3
 
 
+def _tree_config(model) -> dict:
+    from test_eagle import random_head
+
+    return {"method": "eagle3", "model": random_head(model, "eagle3", seed=1), "num_speculative_tokens": 3,
+            "tree": {"num_nodes": 24, "topk": 8}}  # fmt: skip
+
+
+def test_sampled_tree_output_follows_the_constrained_distribution(monkeypatch):
+    """Draft trees under a grammar: each node masked for its own path, siblings tried in rank order
+    against the masked residual. Masking every node as its row's root (the path ignored) fails."""
+    model = build_small_vocab_llama()
+    exact = exact_constrained_distribution(model)
+    samples = constrained_samples(model, num_samples=4000, seed=7, config=_tree_config(model))
+    assert constrained_pvalue(samples, exact) > 1e-3
+    original = grammar_module.SpeculativeGrammar.process
+
+    def root_mask_only(self, scores, token_buffer, buffer_rows, prefix_lens, batch_rows):
+        roots = np.array([np.flatnonzero(batch_rows == row)[0] for row in batch_rows])
+        return original(self, scores, token_buffer, roots, prefix_lens[roots], batch_rows)
+
+    monkeypatch.setattr(grammar_module.SpeculativeGrammar, "process", root_mask_only)
+    try:
+        broken = constrained_samples(model, num_samples=4000, seed=7, config=_tree_config(model))
+    except RuntimeError as error:  # a forbidden token got through: the loop's own check catches it
+        assert "which its grammar does not allow here" in str(error)
+    else:
+        assert constrained_pvalue(broken, exact) < 1e-6
+
+
 def test_unmasked_drafts_are_detected(monkeypatch):
     """A grammar that masks only the first verify position of each row must fail the same test."""
     model = build_small_vocab_llama()
     exact = exact_constrained_distribution(model)
     original = grammar_module.SpeculativeGrammar.process
 
-    def first_position_only(self, scores, token_buffer, buffer_rows, prefix_lens):
-        masked = original(self, scores, token_buffer, buffer_rows, prefix_lens)
+    def first_position_only(self, scores, token_buffer, buffer_rows, prefix_lens, batch_rows):
+        masked = original(self, scores, token_buffer, buffer_rows, prefix_lens, batch_rows)
         first = np.array([prefix_lens[i] == prefix_lens[buffer_rows == buffer_rows[i]].min() for i in range(len(buffer_rows))])
         return torch.where(torch.from_numpy(first)[:, None], masked, scores)
 
@@ -234,15 +271,12 @@ def _engine_outputs(engine, requests: list[tuple[list[int], dict, object]]) -> l
     return [outputs[i] for i in ids]
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "ngram_tree"])
 def test_engine_requests_follow_their_own_grammar(drafter):
     """An engine request with a grammar equals plain constrained generate() alone (greedy), beside
     unconstrained requests that stay as they are; a sampled one follows the grammar too."""
     model = build_tiny_llama()
-    config = {"method": "ngram", "num_speculative_tokens": 4} if drafter == "ngram" else {
-        "method": "draft_model", "model": build_tiny_llama(seed=3), "num_speculative_tokens": 3
-    }
-    engine = SpeculativeEngine(model, config, max_batch_size=4)
+    engine = SpeculativeEngine(model, drafter_config(drafter), max_batch_size=4)
     prompts = repeated_span_prompts(3)
     greedy = {"max_new_tokens": 24, "do_sample": False}
     constrained, free, sampled = _engine_outputs(engine, [
@@ -269,9 +303,8 @@ def test_engine_refuses_a_grammar_it_cannot_apply():
     other_vocab = xgr.GrammarCompiler(xgr.TokenizerInfo(WORDS[:-1], xgr.VocabType.RAW)).compile_regex("w1[0-9]")
     with pytest.raises(ValueError, match="vocab_size"):
         engine.add_request([5, 6, 7], {"max_new_tokens": 4}, grammar=other_vocab)
-    tree = SpeculativeEngine(model, {"method": "ngram", "num_speculative_tokens": 2, "tree": {"num_nodes": 4}})
-    with pytest.raises(ValueError, match="tree"):
-        tree.add_request([5, 6, 7], {"max_new_tokens": 4}, grammar=word_grammar())
+    with pytest.raises(ValueError, match="vocab_size"):  # xgrammar's processor among the request's own
+        engine.add_request([5, 6, 7], {"max_new_tokens": 4}, logits_processor=[XgrammarProcessor(other_vocab)])
 
 
 def test_engine_sampled_requests_follow_the_constrained_distribution():

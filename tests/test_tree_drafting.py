@@ -19,14 +19,15 @@ from conftest import (
     left_padded_batch,
     plain_generate,
     repeated_span_batch,
-    repeated_span_prompts,
 )
 from test_eagle import TRAINED_TARGET_INIT, _random_prompts, random_head, train_head
 from test_sampling_distribution import SETTINGS, chi_square_pvalue, exact_distribution, speculative_samples
+from transformers import LogitsProcessorList
 
 import hf_specdec
 from hf_specdec.loop import engine
 from hf_specdec.sampling import tree_acceptance
+from hf_specdec.sampling.penalties import OutputTokenPenalties
 
 DYNAMIC = {"num_nodes": 12, "topk": 3}
 STATIC = {"static": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]}
@@ -180,6 +181,28 @@ def test_ngram_trees_match_plain_generate(enabled_llama, batch_size, tree):
     assert out.spec_metrics["num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("processor", ("repetition_penalty", "no_repeat_ngram_size", "output_token_penalties"))
+def test_prefix_reading_processors_see_each_nodes_path(enabled_llama, processor):
+    """Left-padded rows (the repetition penalty holds one prompt length per batch row: each node
+    must get its row's) and processors reading the prefix: every node is processed for its own path."""
+    inputs = repeated_span_batch(3, seed=4)
+    options = {
+        "repetition_penalty": {"repetition_penalty": 1.5},
+        "no_repeat_ngram_size": {"no_repeat_ngram_size": 3},
+        "output_token_penalties": {"logits_processor": LogitsProcessorList(
+            [OutputTokenPenalties(0.3, 0.2, prompt_width=inputs["input_ids"].shape[1])]
+        )},
+    }[processor]  # fmt: skip
+    plain = plain_generate(enabled_llama, **inputs, max_new_tokens=30, do_sample=False, **options)
+    assert not torch.equal(plain, plain_generate(enabled_llama, **inputs, max_new_tokens=30, do_sample=False))
+    out = enabled_llama.generate(
+        **inputs, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, **options,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "tree": {"num_nodes": 8, "topk": 2}},
+    )
+    assert torch.equal(out.sequences, plain)
+    assert out.spec_metrics["num_accepted_tokens"] > 0
+
+
 def test_trees_refused_where_they_cannot_be_exact():
     import families
     from test_architectures import speculate
@@ -226,12 +249,3 @@ def test_eos_on_a_side_branch_does_not_stop_the_row(enabled_llama, monkeypatch):
     )
     assert torch.equal(out.sequences, plain)
     assert len(offered) > 10
-
-
-def test_trees_refused_with_structured_output():
-    from test_grammar import generate as constrained_generate
-
-    inputs = left_padded_batch(repeated_span_prompts(1))
-    config = {"method": "ngram", "num_speculative_tokens": 4, "tree": {"num_nodes": 6}}
-    with pytest.raises(ValueError, match="tree cannot be combined with structured output"):
-        constrained_generate(build_tiny_llama(), inputs, config, max_new_tokens=8, do_sample=False)

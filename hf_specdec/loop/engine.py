@@ -42,7 +42,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    StoppingCriteriaList,
+)
 from transformers.generation import stopping_criteria as hf_stopping
 
 from ..cache.architectures import check_architecture
@@ -53,7 +59,7 @@ from ..drafters import build_proposer
 from ..drafters.drafting import DraftSampling, set_row_sampling
 from ..models.cpu_linear import fast_cpu_linears, resolve_backend
 from ..models.feature_capture import TargetFeatureCapture, capture_for_proposer
-from ..sampling.grammar import SpeculativeGrammar
+from ..sampling.grammar import SpeculativeGrammar, is_xgrammar_processor, with_speculative_grammars
 from ..sampling.logits_processing import (
     RowLogitsProcessors,
     RowStopCheckers,
@@ -213,7 +219,7 @@ class SpeculativeEngine:
             model, num_blocks=num_blocks, block_size=config.block_size, max_rollback=config.max_draft_tokens
         )
         if config.tree is not None:
-            _check_tree_request(self.cache, logits_processor)
+            _check_tree_request(self.cache)
         self.proposer = build_proposer(drafter_config, model, draft_generation_config, logits_processor, target_cache=self.cache)
         self.metrics = SpecDecodeMetrics()
         self.k_controller = controller_for(model, config, draft_generation_config.do_sample) if config.auto_k else None
@@ -242,6 +248,7 @@ class SpeculativeEngine:
         request_id: str | None = None,
         logprobs: int | None = None,
         grammar: object | None = None,
+        logits_processor: Sequence[LogitsProcessor] | None = None,
     ) -> str:
         """Queue a request; it joins the batch at a step boundary. Returns its id.
 
@@ -252,7 +259,10 @@ class SpeculativeEngine:
         those of the `logprobs` most likely tokens (0 to `MAX_TOP_LOGPROBS`; `TokenLogprob`).
         `grammar`: an xgrammar `CompiledGrammar` (JSON schema, regex, EBNF) the output must follow,
         masked at every position exactly as plain `generate()` masks it with xgrammar's processor
-        (`sampling/grammar.py`). ValueError naming the field for bad input.
+        (`sampling/grammar.py`). `logits_processor`: the request's own transformers processors, as
+        `generate(logits_processor=...)` takes them (`sampling.penalties.OutputTokenPenalties`, xgrammar's
+        processor, ...); a processor reading `input_ids` sees the prompt from column 0. ValueError
+        naming the field for bad input.
         """
         if self._row_processors is None:
             raise RuntimeError("this engine runs generate()'s fixed batch; it takes no requests")
@@ -288,9 +298,9 @@ class SpeculativeEngine:
             not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
         ):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} or None, got {logprobs!r}")
-        constraint = LogitsProcessorList() if grammar is None else LogitsProcessorList(
-            [SpeculativeGrammar([self._check_grammar(grammar)], prompt_width=len(prompt))]
-        )
+        constraint = self._request_processors(logits_processor, prompt_width=len(prompt))
+        if grammar is not None:
+            constraint.append(SpeculativeGrammar([self._check_grammar(grammar)], prompt_width=len(prompt)))
         generator = None
         if config.do_sample:
             seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item())
@@ -314,11 +324,23 @@ class SpeculativeEngine:
         )  # fmt: skip
         return request_id
 
+    def _request_processors(self, given: Sequence[LogitsProcessor] | None, prompt_width: int) -> LogitsProcessorList:
+        """A request's own processors, xgrammar's replaced by their speculative stand-ins."""
+        if given is None:
+            return LogitsProcessorList()
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or not all(callable(p) for p in given):
+            raise ValueError(
+                f"logits_processor must be a list of transformers LogitsProcessor objects, got {type(given).__name__}"
+            )
+        for processor in given:
+            if is_xgrammar_processor(processor):
+                for compiled in processor.compiled_grammars:
+                    self._check_grammar(compiled)
+        return LogitsProcessorList(with_speculative_grammars(LogitsProcessorList(given), 1, prompt_width))
+
     def _check_grammar(self, grammar: object) -> object:
         if type(grammar).__name__ != "CompiledGrammar" or not type(grammar).__module__.startswith("xgrammar"):
             raise ValueError(f"grammar must be an xgrammar CompiledGrammar, got {type(grammar).__name__}")
-        if self.config.tree is not None:
-            raise ValueError("grammar cannot be combined with speculative_config.tree yet; allowed: chain drafts")
         vocab_size = self.model.config.get_text_config().vocab_size
         if grammar.tokenizer_info.vocab_size != vocab_size:
             raise ValueError(
@@ -561,14 +583,12 @@ def _prompt_array(prompt_ids, vocab_size: int) -> np.ndarray:
     return prompt.astype(np.int64)
 
 
-def _check_tree_request(cache: PagedKVCache, logits_processor: LogitsProcessorList) -> None:
+def _check_tree_request(cache: PagedKVCache) -> None:
     if cache.one_row_per_forward:
         raise ValueError(
             "speculative_config.tree is not supported on models with recurrent layers: their state follows one "
             "path, a tree has many"
         )
-    if any(isinstance(p, SpeculativeGrammar) for p in logits_processor):
-        raise ValueError("speculative_config.tree cannot be combined with structured output (xgrammar) yet")
     if any(kind in ("sliding", "chunked") for kind, _ in cache.layer_kinds or ()):
         raise ValueError(
             "speculative_config.tree is not supported on models with sliding-window or chunked attention layers yet "

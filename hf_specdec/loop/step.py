@@ -116,9 +116,10 @@ def speculative_step(
             max_tree_nodes=tree_size,
         )
     )
-    if proposal.draft_probs is None:  # a grammar-forbidden deterministic draft cannot pass: cut it here
-        proposal.draft_token_ids = cut_forbidden_drafts(logits_processor, rows, proposal.draft_token_ids)
     trees = proposal.draft_parents  # None: every row's drafts are a chain
+    # a grammar-forbidden deterministic draft cannot pass: cut it here (a tree's are masked in the verify)
+    if proposal.draft_probs is None and trees is None:
+        proposal.draft_token_ids = cut_forbidden_drafts(logits_processor, rows, proposal.draft_token_ids)
     spec = SpecDecodeMetadata.from_drafts(proposal.draft_token_ids, device=model.device)
     num_draft = np.array(spec.num_draft_tokens, dtype=np.int64)
     metrics.draft_seconds += timer.lap("draft")
@@ -147,16 +148,17 @@ def speculative_step(
     metrics.verify_seconds += timer.lap("verify")
 
     # 3. sample: processors see, at each position, the prefix plain generate would have had
+    logits_rows = np.repeat(rows, num_draft + 1)  # the batch row of each logits row
     if not logits_processor:
         processed = logits
     elif trees is None:
         for row, start, drafts in zip(rows, seq_lens, proposal.draft_token_ids):
             state.token_buffer[row, start : start + len(drafts)] = torch.from_numpy(drafts)
-        logits_rows = np.repeat(rows, num_draft + 1)
         prefix_lens = np.repeat(seq_lens, num_draft + 1) + _offsets_within(num_draft + 1)
         processed = process_logits(logits_processor, logits, state.token_buffer, logits_rows, prefix_lens)
     else:
-        processed = process_logits(logits_processor, logits, *tree_prefixes(state, rows, proposal.draft_token_ids, trees))
+        node_buffer, node_rows, prefix_lens = tree_prefixes(state, rows, proposal.draft_token_ids, trees)
+        processed = process_logits(logits_processor, logits, node_buffer, node_rows, prefix_lens, batch_rows=logits_rows)
     metrics.sampler_seconds += timer.lap("logits_processing")
     generators = [sampling.generators[r] for r in rows]
     draws = None if all(g is None for g in generators) else draw_random(generators, spec, logits.shape[-1], logits.device)

@@ -14,8 +14,11 @@ drafts before it), and most drafts may be rejected. So inside the loop the proce
   probability 0 at its position, so it is never accepted, and the positions after it are never
   reached;
 - after the rejection sampler, feeds the matcher only the tokens the row really emitted;
-- before the verify, cuts each row's drafts at the first one its grammar forbids
-  (`cut_forbidden_drafts`), so no target compute goes to positions that cannot be reached. That is
+- masks a draft tree's nodes each for the path to it (each node's prefix has a buffer row of its
+  own: `loop/tree_verify.tree_prefixes`); a forbidden node has probability 0, so neither it nor
+  anything below it is accepted;
+- before the verify, cuts each row's chain of drafts at the first one its grammar forbids
+  (`cut_forbidden_drafts`; trees are not cut), so no target compute goes to positions that cannot be reached. That is
   exact where the forbidden draft is not a sample of the drafter's own distribution (deterministic
   drafts, greedy rows): its position then yields a token drawn from the masked p either way. For
   drafts sampled from q it is not (a rejection there draws from the residual of p and q, not from
@@ -77,21 +80,25 @@ class SpeculativeGrammar:
         return cls(grammars, prompt_width)
 
     def process(
-        self, scores: torch.Tensor, token_buffer: torch.Tensor, buffer_rows: np.ndarray, prefix_lens: np.ndarray
-    ) -> torch.Tensor:
-        """`scores` masked per position: row `buffer_rows[i]` with prefix `token_buffer[row, :prefix_lens[i]]`."""
+        self, scores: torch.Tensor, token_buffer: torch.Tensor, buffer_rows: np.ndarray, prefix_lens: np.ndarray,
+        batch_rows: np.ndarray,
+    ) -> torch.Tensor:  # fmt: skip
+        """`scores` masked per position i: batch row `batch_rows[i]`'s matcher, walked over the drafts in
+        `token_buffer[buffer_rows[i], :prefix_lens[i]]` (a chain's positions share a buffer row and are
+        walked in one pass; a tree's nodes each have one, holding the path to the node)."""
         out = scores.clone()
         masks = torch.zeros((len(buffer_rows), self._bitmask.shape[1]), dtype=self._bitmask.dtype)
         masked = np.zeros(len(buffer_rows), dtype=bool)
-        for row in np.unique(buffer_rows):
-            positions = np.flatnonzero(buffer_rows == row)
+        for buffer_row in np.unique(buffer_rows):
+            positions = np.flatnonzero(buffer_rows == buffer_row)
             positions = positions[np.argsort(prefix_lens[positions], kind="stable")]
+            row = int(batch_rows[positions[0]])
             matcher, start = self.matchers[row], self.prompt_width + int(self.consumed[row])
             fed, alive, last = 0, True, None
             for position in positions:
                 wanted = int(prefix_lens[position]) - start  # drafts before this position
                 while alive and fed < wanted:
-                    token = int(token_buffer[row, start + fed])
+                    token = int(token_buffer[buffer_row, start + fed])
                     alive = not matcher.is_terminated() and matcher.accept_token(token)
                     fed += int(alive)
                 if alive and not matcher.is_terminated():

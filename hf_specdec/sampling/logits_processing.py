@@ -105,13 +105,17 @@ def process_logits(
     token_buffer: torch.Tensor,
     buffer_rows: np.ndarray,
     prefix_lens: np.ndarray,
+    batch_rows: np.ndarray | None = None,
 ) -> torch.Tensor:
-    """Processed scores for each row of `logits`; row i's prefix is `token_buffer[buffer_rows[i], :prefix_lens[i]]`."""
+    """Processed scores for each row of `logits`; row i's prefix is `token_buffer[buffer_rows[i], :prefix_lens[i]]`
+    and it belongs to batch row `batch_rows[i]` (default: the buffer row; a tree's nodes each have a
+    buffer row of their own, holding the path to the node)."""
+    batch_rows = buffer_rows if batch_rows is None else batch_rows
     scores = logits
     for processor in logits_processor:
         # a grammar walks each row's drafts through its matcher; per-request processors dispatch by row
         if isinstance(processor, (SpeculativeGrammar, RowLogitsProcessors)):
-            scores = processor.process(scores, token_buffer, buffer_rows, prefix_lens)
+            scores = processor.process(scores, token_buffer, buffer_rows, prefix_lens, batch_rows)
             continue
         if isinstance(processor, _POSITION_FREE):
             scores = processor(to_device([token_buffer[:1].numpy()], scores.device)[0], scores)
@@ -120,7 +124,7 @@ def process_logits(
 
         def apply(input_ids: torch.Tensor, positions: np.ndarray, processor=processor, scores=scores, out=processed):
             index, input_ids = to_device([positions, input_ids.numpy()], scores.device)
-            row_processor = _for_rows(processor, buffer_rows[positions])
+            row_processor = _for_rows(processor, batch_rows[positions])
             out[index] = row_processor(input_ids, scores[index].clone())
 
         _by_prefix_length(token_buffer, buffer_rows, prefix_lens, apply)
@@ -198,8 +202,8 @@ class StopChecker:
 class RowLogitsProcessors:
     """Each row's own processors: the engine's requests bring theirs (temperature, top-p, penalties).
 
-    Inside a `LogitsProcessorList` it gets, from `process_logits`, every position with its row and
-    prefix; each row's positions go through that row's processors alone, as batch row 0 (a
+    Inside a `LogitsProcessorList` it gets, from `process_logits`, every position with its batch row
+    and prefix; each row's positions go through that row's processors alone, as batch row 0 (a
     processor holding per-batch-row values, the repetition penalty's prompt lengths, was built for
     its request alone).
     """
@@ -211,20 +215,21 @@ class RowLogitsProcessors:
         return any(self.by_row.get(int(row)) for row in rows)
 
     def process(
-        self, scores: torch.Tensor, token_buffer: torch.Tensor, buffer_rows: np.ndarray, prefix_lens: np.ndarray
-    ) -> torch.Tensor:
+        self, scores: torch.Tensor, token_buffer: torch.Tensor, buffer_rows: np.ndarray, prefix_lens: np.ndarray,
+        batch_rows: np.ndarray,
+    ) -> torch.Tensor:  # fmt: skip
         processed = scores
-        for row in np.unique(buffer_rows):
+        for row in np.unique(batch_rows):
             processors = self.by_row.get(int(row))
             if not processors:
                 continue
             if processed is scores:
                 processed = scores.clone()
-            positions = np.flatnonzero(buffer_rows == row)
+            positions = np.flatnonzero(batch_rows == row)
             (index,) = to_device([positions], scores.device)
             processed[index] = process_logits(
-                processors, scores[index], token_buffer[int(row) : int(row) + 1],
-                np.zeros(len(positions), dtype=np.int64), prefix_lens[positions],
+                processors, scores[index], token_buffer, buffer_rows[positions], prefix_lens[positions],
+                np.zeros(len(positions), dtype=np.int64),
             )
         return processed
 
