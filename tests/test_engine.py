@@ -26,7 +26,15 @@ from conftest import (
 )
 from test_draft_model import perturbed_copy
 from test_eagle import random_head
-from test_sampling_distribution import NEW_TOKENS, PROMPT, SETTINGS, chi_square_pvalue, exact_distribution
+from test_sampling_distribution import (
+    NEW_TOKENS,
+    PENALTIES,
+    PROMPT,
+    SETTINGS,
+    chi_square_pvalue,
+    exact_distribution,
+)
+from transformers import LogitsProcessorList
 
 import hf_specdec
 from hf_specdec import SpeculativeEngine
@@ -34,6 +42,7 @@ from hf_specdec.cache.architectures import UnsupportedModelError
 from hf_specdec.cache.paged_attention import ATTENTION_NAME
 from hf_specdec.drafters.drafting import DraftTokenPicker
 from hf_specdec.loop import engine as engine_module
+from hf_specdec.sampling.penalties import OutputTokenPenalties
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +219,47 @@ def test_sampled_requests_follow_the_exact_distribution():
     assert chi_square_pvalue(np.array(wrong), exact) < 1e-6
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "ngram_tree"])
+def test_requests_with_their_own_processors_match_plain_generate(model, method):
+    """Each request brings its own processors (`logits_processor=`: here OpenAI's penalties, some with
+    none) next to the others; each equals plain generate() of its prompt alone with that processor.
+    With trees, each node's logits go through the processors of the request it belongs to."""
+    prompts = repeated_span_prompts(5, seed=8)
+    penalties = [(0.0, 0.0), (0.8, 0.0), (0.0, 0.5), (-0.5, 0.3), (0.4, 0.4)]
+    engine = SpeculativeEngine(model, _configs(model)[method], max_batch_size=3)
+    greedy = {"max_new_tokens": 24, "do_sample": False}
+    expected, outputs = {}, {}
+    for prompt, (presence, frequency) in zip(prompts, penalties):
+        processors = [OutputTokenPenalties(presence, frequency, prompt_width=len(prompt))]
+        request_id = engine.add_request(prompt, greedy, logits_processor=processors)
+        plain = plain_generate(model, input_ids=torch.tensor([prompt]), pad_token_id=0,
+                               logits_processor=LogitsProcessorList(processors), **greedy)  # fmt: skip
+        expected[request_id] = plain[0, len(prompt) :].tolist()
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    assert outputs == expected
+    assert sum(expected[r] != _alone(model, p, 24) for r, p in zip(expected, prompts)) >= 3, "penalties did not bite"
+    assert engine.metrics.num_accepted_tokens > 0 and engine.num_kv_blocks_used == 0
+
+
+def test_sampled_requests_with_penalties_follow_the_exact_distribution():
+    """Sampled requests with OpenAI's penalties, drafted by the target itself (most positions sit
+    behind accepted drafts, which the penalties must count), against the exact distribution."""
+    small = hf_specdec.enable(build_small_vocab_llama())
+    exact = exact_distribution(small, PENALTIES)
+    engine = SpeculativeEngine(
+        small, {"method": "draft_model", "model": copy.deepcopy(small), "num_speculative_tokens": 3}, max_batch_size=64
+    )
+    config = {"max_new_tokens": NEW_TOKENS, "do_sample": True, "pad_token_id": 0, "temperature": PENALTIES["temperature"]}
+    for seed in range(3000):
+        engine.add_request(PROMPT, config, seed=seed, logits_processor=PENALTIES["logits_processor"])
+    samples = []
+    while engine.has_unfinished():
+        samples.extend(o.token_ids for o in engine.step() if o.finished)
+    assert engine.metrics.num_accepted_tokens > 3000
+    assert chi_square_pvalue(np.array(samples), exact) > 1e-3
+
+
 def _sampled_run(small, draft, config, seeds) -> tuple[np.ndarray, SpeculativeEngine]:
     engine = SpeculativeEngine(small, {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}, max_batch_size=64)
     for seed in seeds:
@@ -326,6 +376,9 @@ def test_bad_engine_arguments(model):
     engine.add_request([3, 4], request_id="a")
     with pytest.raises(ValueError, match="request_id='a' must be a string not already in use"):
         engine.add_request([3, 4], request_id="a")
+    for processors in ("greedy", [1.5], OutputTokenPenalties(0.5, prompt_width=2)):
+        with pytest.raises(ValueError, match="logits_processor must be a list of transformers LogitsProcessor"):
+            engine.add_request([3, 4], logits_processor=processors)
 
 
 def test_models_it_cannot_run_exactly_are_refused():

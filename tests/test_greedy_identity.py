@@ -18,6 +18,7 @@ from conftest import (
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_specdec
+from hf_specdec.sampling.penalties import OutputTokenPenalties
 
 BATCH_SIZES = (1, 3, 8)
 NUM_SPECULATIVE_TOKENS = (1, 3, 5, 8)
@@ -388,6 +389,25 @@ def test_logits_processors_greedy_identity(enabled_llama, processor, batch_size)
     )
     assert torch.equal(out.sequences, plain), processor
     assert out.spec_metrics["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("batch_size", (1, 4))
+def test_output_token_penalties_greedy_identity(enabled_llama, batch_size):
+    """OpenAI's presence / frequency penalties: each verified position counts the accepted drafts
+    before it among the generated tokens (left-padded rows: the prompt is the input's width)."""
+    model = enabled_llama
+    inputs = repeated_span_batch(batch_size)
+    penalties = LogitsProcessorList([OutputTokenPenalties(0.3, 0.2, prompt_width=inputs["input_ids"].shape[1])])
+    baseline = plain_generate(model, **inputs, max_new_tokens=36, do_sample=False)
+    plain = plain_generate(model, **inputs, max_new_tokens=36, do_sample=False, logits_processor=penalties)
+    assert not torch.equal(plain, baseline), "the penalties did not change the output: the test proves nothing"
+    for k, lookup in ((3, (1, 4)), (8, (1, 2))):
+        out = model.generate(
+            **inputs, max_new_tokens=36, do_sample=False, logits_processor=penalties,
+            speculative_config=ngram_config(k, *lookup), return_dict_in_generate=True,
+        )  # fmt: skip
+        assert torch.equal(out.sequences, plain), k
+        assert out.spec_metrics["num_accepted_tokens"] > 0
 
 
 class InductionBoost(LogitsProcessor):

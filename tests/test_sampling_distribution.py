@@ -9,6 +9,7 @@ chi-square test against it, and the same test must reject a deliberately broken 
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import numpy as np
@@ -16,10 +17,13 @@ import pytest
 import torch
 from conftest import SMALL_VOCAB_SIZE, build_small_vocab_llama
 from scipy.stats import chisquare, kstest
+from transformers import LogitsProcessorList
 
 import hf_specdec
 from hf_specdec.loop import step
+from hf_specdec.sampling import logits_processing
 from hf_specdec.sampling.metadata import SpecDecodeMetadata
+from hf_specdec.sampling.penalties import OutputTokenPenalties
 from hf_specdec.sampling.rejection_sampler import RandomDraws, draw_random, rejection_sample
 
 NEW_TOKENS = 3
@@ -29,6 +33,10 @@ SETTINGS = {
     "minp_repetition_penalty": dict(temperature=1.0, min_p=0.05, repetition_penalty=1.4),
     "no_repeat_ngram_topk": dict(temperature=1.1, no_repeat_ngram_size=3, top_k=12),
 }
+# OpenAI's presence / frequency penalties over the generated tokens (every row's prompt is PROMPT)
+PENALTIES = dict(
+    temperature=1.0, logits_processor=LogitsProcessorList([OutputTokenPenalties(1.5, 0.8, prompt_width=len(PROMPT))])
+)
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +127,31 @@ def test_speculative_sampling_matches_exact_distribution(model, setting):
     exact = exact_distribution(model, SETTINGS[setting])
     samples, _ = speculative_samples(model, SETTINGS[setting], NGRAM_CONFIG, num_samples=4000, seed=1234)
     assert chi_square_pvalue(samples, exact) > 1e-3
+
+
+def test_penalties_match_exact_distribution(model, monkeypatch):
+    """Penalties count the drafts before each verified position. The drafter is the target itself, so
+    nearly every draft is accepted and most positions sit behind drafts. Counting only the tokens
+    emitted before the step (every position of a row given the row's shortest prefix) fails."""
+    exact = exact_distribution(model, PENALTIES)
+    config = {"method": "draft_model", "model": copy.deepcopy(model), "num_speculative_tokens": 3}
+    samples, metrics = speculative_samples(model, PENALTIES, config, num_samples=4000, seed=1234)
+    assert sum(m["num_accepted_tokens"] for m in metrics) > 4000
+    assert chi_square_pvalue(samples, exact) > 1e-3
+    # the penalties bite: without them the same samples fail
+    without = {name: value for name, value in PENALTIES.items() if name != "logits_processor"}
+    assert chi_square_pvalue(samples, exact_distribution(model, without)) < 1e-6
+    by_prefix_length = logits_processing._by_prefix_length
+
+    def drafts_not_counted(token_buffer, buffer_rows, prefix_lens, call):
+        shortest = prefix_lens.copy()
+        for row in np.unique(buffer_rows):
+            shortest[buffer_rows == row] = prefix_lens[buffer_rows == row].min()
+        by_prefix_length(token_buffer, buffer_rows, shortest, call)
+
+    monkeypatch.setattr(logits_processing, "_by_prefix_length", drafts_not_counted)
+    broken, _ = speculative_samples(model, PENALTIES, config, num_samples=4000, seed=1234)
+    assert chi_square_pvalue(broken, exact) < 1e-6
 
 
 def test_broken_sampler_is_detected(model, monkeypatch):

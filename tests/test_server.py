@@ -24,8 +24,10 @@ import torch
 import uvicorn
 from conftest import EOS_TOKEN_ID, build_tiny_llama, ngram_config, plain_generate
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import LogitsProcessorList
 
 from hf_specdec import SpeculativeEngine
+from hf_specdec.sampling.penalties import OutputTokenPenalties
 from hf_specdec.serving import build_app
 from hf_specdec.serving.server import IncrementalText
 
@@ -156,6 +158,32 @@ def test_sampling_fields_reach_the_engine(client, tokenizer, reference):
         for seed in (1, 1, 2)
     ]
     assert sampled[0] == sampled[1] != sampled[2] and greedy not in sampled  # the seed is the request's
+
+
+def test_penalties_and_logit_bias_match_plain_generate(client, tokenizer, reference):
+    """OpenAI's presence_penalty / frequency_penalty (over the completion's tokens) and logit_bias,
+    sent by the openai client as it sends them, against plain generate() with the same processors."""
+    prompt_ids = ids(tokenizer, PROMPTS[2])
+    greedy = plain_greedy(reference, prompt_ids, 24)
+    logit_bias = {str(greedy[2]): -100, str(greedy[0] + 1): 5.5}
+
+    def plain(**options) -> str:
+        out = plain_generate(
+            reference, input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=24, do_sample=False, **options,
+        )  # fmt: skip
+        return tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
+
+    penalized = plain(logits_processor=LogitsProcessorList([OutputTokenPenalties(0.7, 0.4, prompt_width=len(prompt_ids))]))
+    biased = plain(sequence_bias={(int(token),): float(bias) for token, bias in logit_bias.items()})
+    plain_text = tokenizer.decode(greedy, skip_special_tokens=True)
+    assert plain_text != penalized and plain_text != biased
+    request = dict(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=24, temperature=0)
+    assert client.completions.create(**request, presence_penalty=0.7, frequency_penalty=0.4).choices[0].text == penalized
+    assert client.completions.create(**request, logit_bias=logit_bias).choices[0].text == biased
+    assert client.completions.create(**request, presence_penalty=0, frequency_penalty=0).choices[0].text == plain_text
+    streamed = client.completions.create(**request, presence_penalty=0.7, frequency_penalty=0.4, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == penalized
 
 
 def test_n_choices_whole_and_streamed(client, server, tokenizer, reference):
@@ -339,6 +367,12 @@ def test_engine_refuses_bad_logprobs():
         ({"prompt": "w5", "n": 0}, "n", ["allowed: 1 to 16"]),
         ({"prompt": "w5", "logprobs": 6}, "logprobs", ["less than or equal to 5"]),
         ({"prompt": "w5", "echo": True}, "echo", ["unknown or unsupported"]),
+        ({"prompt": "w5", "presence_penalty": 2.5}, "presence_penalty", ["less than or equal to 2"]),
+        ({"prompt": "w5", "frequency_penalty": -3}, "frequency_penalty", ["greater than or equal to -2"]),
+        ({"prompt": "w5", "logit_bias": {"w5": 1}}, "logit_bias", ["token ids (strings of digits)", "-100 to 100"]),
+        ({"prompt": "w5", "logit_bias": {"5": 101}}, "logit_bias", ["-100 to 100", "'5': 101"]),
+        ({"prompt": "w5", "logit_bias": [5, 1]}, "logit_bias", ["an object mapping token ids"]),
+        ({"prompt": "w5", "logit_bias": {"500": 1}}, "logit_bias", ["outside the vocabulary", "0 to 127"]),
         ({"prompt": ""}, "prompt", ["allowed"]),
         ({"prompt": [5, 500]}, "prompt", ["outside the vocabulary", "0 to 127"]),
         ({"prompt": " ".join(["w9"] * MAX_MODEL_LEN)}, "prompt", ["512 tokens", "at most 511"]),

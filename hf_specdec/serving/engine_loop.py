@@ -48,11 +48,9 @@ class _Add:
     request_id: str
     prompt_ids: list[int]
     generation_config: Any
-    seed: int | None
     event_loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
-    logprobs: int | None = None
-    grammar: Any = None
+    options: dict  # add_request's keyword arguments: seed, logprobs, grammar, logits_processor
 
 
 @dataclass
@@ -91,16 +89,14 @@ class EngineLoop:
         self._end_all(EngineError("the server is shutting down", 503))
 
     def add(
-        self, request_id: str, prompt_ids: list[int], generation_config: Any, seed: int | None, logprobs: int | None = None,
-        outputs: asyncio.Queue | None = None, grammar: Any = None,
+        self, request_id: str, prompt_ids: list[int], generation_config: Any, outputs: asyncio.Queue | None = None,
+        **options: Any,
     ) -> asyncio.Queue:
-        """Queues the request (`SpeculativeEngine.add_request`'s arguments); returns the asyncio queue its
-        outputs (or an EngineError) arrive on: `outputs` when given (several requests may share one: each
-        output names its request), else a new one. Call from the event loop's thread."""
+        """Queues the request (`options`: `SpeculativeEngine.add_request`'s keyword arguments); returns the
+        asyncio queue its outputs (or an EngineError) arrive on: `outputs` when given (several requests may
+        share one: each output names its request), else a new one. Call from the event loop's thread."""
         outputs = asyncio.Queue() if outputs is None else outputs
-        self._commands.put(
-            _Add(request_id, prompt_ids, generation_config, seed, asyncio.get_running_loop(), outputs, logprobs, grammar)
-        )
+        self._commands.put(_Add(request_id, prompt_ids, generation_config, asyncio.get_running_loop(), outputs, options))
         return outputs
 
     def abort(self, request_id: str) -> None:
@@ -137,8 +133,7 @@ class EngineLoop:
         sink = (command.event_loop, command.outputs)
         try:
             self.engine.add_request(
-                command.prompt_ids, command.generation_config, seed=command.seed, request_id=command.request_id,
-                logprobs=command.logprobs, grammar=command.grammar,
+                command.prompt_ids, command.generation_config, request_id=command.request_id, **command.options
             )
         except ValueError as error:  # the engine's own checks of the request: the client's error
             self._send(sink, EngineError(str(error), 400))

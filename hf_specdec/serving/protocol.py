@@ -10,11 +10,12 @@ Supported: model (the served model's name, or left out), prompt / messages (role
 assistant; text content), max_tokens (chat: or max_completion_tokens), temperature (0: greedy),
 top_p, seed, stop, stream, stream_options.include_usage, n (1 to MAX_CHOICES), logprobs
 (completions: 0 to 5 alternatives; chat: logprobs true with top_logprobs 0 to 20), response_format
-(text, json_object, json_schema: through xgrammar, the `structured` extra), and vLLM's extensions
-top_k, min_p, repetition_penalty. Accepted and ignored, because by definition it does not change the output:
-`user` (an end-user id for the provider's abuse monitoring). Anything else is refused with a 400
-naming the field (echo, suffix, best_of, presence / frequency penalties, logit_bias, tools, ...:
-not implemented).
+(text, json_object, json_schema: through xgrammar, the `structured` extra), presence_penalty and
+frequency_penalty (-2 to 2, over the completion's tokens: `sampling.penalties`), logit_bias (token id
+-> -100 to 100), and vLLM's extensions top_k, min_p, repetition_penalty. Accepted and ignored,
+because by definition it does not change the output: `user` (an end-user id for the provider's abuse
+monitoring). Anything else is refused with a 400 naming the field (echo, suffix, best_of, tools,
+...: not implemented).
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=1)  # extension (vLLM's)
     min_p: float | None = Field(None, ge=0, le=1)  # extension (vLLM's)
     repetition_penalty: float | None = Field(None, gt=0)  # extension (vLLM's)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)  # OpenAI's range
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[int, float] = {}  # token id -> bias added to its logit
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stop: list[str] = []
     stream: bool = False
@@ -89,6 +93,23 @@ class SamplingRequest(BaseModel):
         if not isinstance(stops, list) or not all(isinstance(text, str) and text for text in stops):
             raise ValueError("allowed: a non-empty string, a list of non-empty strings, or null")
         return stops
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _biases(cls, logit_bias: Any) -> dict[int, float]:
+        if logit_bias is None:
+            return {}
+        allowed = "allowed: an object mapping token ids (strings of digits) to numbers from -100 to 100"
+        if not isinstance(logit_bias, dict):
+            raise ValueError(allowed)
+        biases = {}
+        for token, bias in logit_bias.items():
+            if not (isinstance(token, str) and token.isdigit() and token.isascii()) or isinstance(bias, bool) or (
+                not isinstance(bias, (int, float)) or not -100 <= bias <= 100
+            ):
+                raise ValueError(f"{allowed}; got {token!r}: {bias!r}")
+            biases[int(token)] = float(bias)
+        return biases
 
     @field_validator("n")
     @classmethod

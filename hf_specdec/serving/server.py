@@ -46,6 +46,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from ..config import SpeculativeConfig
 from ..loop.engine import SpeculativeEngine
 from ..models.real_models import load_target
+from ..sampling.penalties import OutputTokenPenalties
 from .engine_loop import EngineError, EngineLoop
 from .protocol import (
     ChatCompletionRequest,
@@ -96,7 +97,8 @@ def build_app(
     counters = _RequestCounters(registry)
     base_config = engine.model.generation_config
     max_model_len = engine.max_model_len
-    grammars = _GrammarCompiler(tokenizer, engine.model.config.get_text_config().vocab_size)
+    vocab_size = engine.model.config.get_text_config().vocab_size  # the logits' width
+    grammars = _GrammarCompiler(tokenizer, vocab_size)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -162,6 +164,7 @@ def build_app(
             raise APIError(404, f"the model {body.model!r} does not exist; allowed: {model_name!r}", "model",
                            code="model_not_found")
         _check_length(len(prompt_ids), max_tokens, max_model_len, prompt_field)
+        _check_token_ids(list(body.logit_bias), vocab_size, "logit_bias")
         request_id = uuid.uuid4().hex
         config = generation_config_for(body, max_tokens, base_config)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -172,10 +175,11 @@ def build_app(
             for index in range(body.n)
         ]  # fmt: skip
         grammar = await grammars.compile(body.response_format)
+        penalties = output_token_penalties(body, len(prompt_ids))
         outputs = _EngineOutputs(request, engine_loop)
         for choice in choices:
-            outputs.add(choice.request_id, prompt_ids, config, _choice_seed(body.seed, choice.index), body.num_top_logprobs,
-                        grammar)  # fmt: skip
+            outputs.add(choice.request_id, prompt_ids, config, seed=_choice_seed(body.seed, choice.index),
+                        logprobs=body.num_top_logprobs, grammar=grammar, logits_processor=penalties)  # fmt: skip
         by_id = {choice.request_id: choice for choice in choices}
 
         def count(finish_reason: str | None = None) -> None:
@@ -233,17 +237,26 @@ def generation_config_for(body: SamplingRequest, max_new_tokens: int, base: Gene
     greedy = fields.get("temperature", base.temperature) == 0
     if greedy:  # the sampling fields have no effect (the argmax survives top-k / top-p / min-p): unset
         fields.update(temperature=None, top_p=None, top_k=None, min_p=None)
+    if body.logit_bias:  # transformers' bias processor, one-token sequences (as `transformers serve` maps it)
+        fields["sequence_bias"] = {(token,): bias for token, bias in body.logit_bias.items()}
     config = copy.deepcopy(base)
     # one update: GenerationConfig.update validates (and warns about) what it is given
     config.update(**fields, do_sample=not greedy, max_new_tokens=max_new_tokens, stop_strings=body.stop or None)
     return config
 
 
-def _check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+def output_token_penalties(body: SamplingRequest, prompt_len: int) -> list[OutputTokenPenalties]:
+    """The request's presence / frequency penalties as the processor that applies them (none when both are 0)."""
+    if body.presence_penalty == 0 and body.frequency_penalty == 0:
+        return []
+    return [OutputTokenPenalties(body.presence_penalty, body.frequency_penalty, prompt_width=prompt_len)]
+
+
+def _check_token_ids(token_ids: list[int], vocab_size: int, field: str = "prompt") -> None:
     bad = [token for token in token_ids if not 0 <= token < vocab_size]
     if bad:
-        raise APIError(400, f"prompt has token ids {bad[:5]} outside the vocabulary; allowed: 0 to {vocab_size - 1}",
-                       "prompt")
+        raise APIError(400, f"{field} has token ids {bad[:5]} outside the vocabulary; allowed: 0 to {vocab_size - 1}",
+                       field)
 
 
 def _check_length(prompt_len: int, max_tokens: int, max_model_len: int, prompt_field: str) -> None:
@@ -321,9 +334,9 @@ class _EngineOutputs:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.running: set[str] = set()
 
-    def add(self, request_id: str, prompt_ids: list[int], config: GenerationConfig, seed: int | None,
-            logprobs: int | None, grammar: Any = None) -> None:
-        self.engine_loop.add(request_id, prompt_ids, config, seed, logprobs, outputs=self.queue, grammar=grammar)
+    def add(self, request_id: str, prompt_ids: list[int], config: GenerationConfig, **options: Any) -> None:
+        """`options`: `SpeculativeEngine.add_request`'s keyword arguments."""
+        self.engine_loop.add(request_id, prompt_ids, config, outputs=self.queue, **options)
         self.running.add(request_id)
 
     async def next(self) -> Any:
