@@ -14,12 +14,14 @@ top_p, seed, stop, stream, stream_options.include_usage, n (1 to MAX_CHOICES), l
 frequency_penalty (-2 to 2, over the completion's tokens: `sampling.penalties`), logit_bias (token id
 -> -100 to 100), and vLLM's extensions top_k, min_p, repetition_penalty. Accepted and ignored,
 because by definition it does not change the output: `user` (an end-user id for the provider's abuse
-monitoring). Anything else is refused with a 400 naming the field (echo, suffix, best_of, tools,
-...: not implemented).
+monitoring). Chat also takes tools, tool_choice and parallel_tool_calls (serving/tools.py), and
+messages with tool calls and tool results. Anything else is refused with a 400 naming the field
+(echo, suffix, best_of, ...: not implemented).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -151,16 +153,56 @@ class CompletionRequest(SamplingRequest):
         raise ValueError(f"allowed: {PROMPT_SHAPES}")
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ValueError("allowed: a JSON object as a string")
+        return arguments
+
+
+class MessageToolCall(BaseModel):
+    """A tool call an earlier assistant message made."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None  # None only in an assistant message with tool_calls
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("allowed: tool_calls only in assistant messages")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("allowed: a tool_call_id exactly in tool messages")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (null only in an assistant message with tool_calls)")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_of_parts(cls, content: Any) -> str:
-        if isinstance(content, str):
+    def _text_of_parts(cls, content: Any) -> str | None:
+        if content is None or isinstance(content, str):
             return content
         if isinstance(content, list) and all(
             isinstance(part, dict) and part.keys() == {"type", "text"} and part["type"] == "text"
@@ -171,11 +213,65 @@ class ChatMessage(BaseModel):
         raise ValueError(f"allowed: {CONTENT_SHAPES}")
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+TOOL_CHOICES = "'none', 'auto', 'required', or {'type': 'function', 'function': {'name': <one of tools>}}"
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False  # each token's log-probability
     top_logprobs: int | None = Field(None, ge=0, le=20)  # and this many alternatives' (OpenAI's limit)
+    tools: list[ToolDefinition] | None = None
+    # None: "auto" with tools, else "none"; a named function: its name (the dict's shape checked here)
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True  # False: at most one tool call per reply
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        names = [tool.function.name for tool in tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("allowed: tools with distinct function names")
+        return tools or None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, choice: Any, info: ValidationInfo) -> str | None:
+        if isinstance(choice, dict) and choice.keys() == {"type", "function"} and choice["type"] == "function" and (
+            isinstance(choice["function"], dict) and choice["function"].keys() == {"name"}
+        ):
+            choice = choice["function"]["name"]
+            if not isinstance(choice, str):
+                raise ValueError(f"allowed: {TOOL_CHOICES}")
+            if choice in ("none", "auto", "required"):  # held as the name: it would read as the mode
+                raise ValueError(f"a function named {choice!r} cannot be chosen by name; allowed: {TOOL_CHOICES}")
+            named = True
+        elif choice is None or choice in ("none", "auto", "required"):
+            named = False
+        else:
+            raise ValueError(f"allowed: {TOOL_CHOICES}")
+        tools = info.data.get("tools") or []
+        if choice not in (None, "none") and not tools:
+            raise ValueError("allowed only with tools")
+        if named and choice not in [tool.function.name for tool in tools]:
+            raise ValueError(f"{choice!r} is not among tools' function names")
+        return choice
 
     @field_validator("top_logprobs")
     @classmethod

@@ -50,12 +50,14 @@ from ..sampling.penalties import OutputTokenPenalties
 from .engine_loop import EngineError, EngineLoop
 from .protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     ResponseFormat,
     SamplingRequest,
     error_body,
     validation_error_body,
 )
+from .tools import ToolCalling, ToolRequestError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 1024  # chat without max_tokens: the room left in max_model_len, at most this
@@ -144,22 +146,29 @@ def build_app(
             _check_token_ids(body.prompt, len(tokenizer))
             prompt_ids = body.prompt
         max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        return await generate(request, body, prompt_ids, max_tokens, "prompt", chat=False)
+        return await generate(request, body, prompt_ids, max_tokens, "prompt")
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         if tokenizer.chat_template is None:
             raise APIError(400, f"the model {model_name!r} has no chat template: use /v1/completions", "messages")
-        messages = [message.model_dump() for message in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            tools = ToolCalling(body, tokenizer, engine.model.config.model_type)
+        except ToolRequestError as error:
+            raise APIError(400, str(error), error.param) from None
+        messages = [_template_message(message) for message in body.messages]
+        text = tokenizer.apply_chat_template(messages, tools=tools.template_tools, add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
         prompt_ids = tokenizer(text, add_special_tokens=False).input_ids  # the template has them
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(max_model_len - len(prompt_ids), DEFAULT_CHAT_MAX_TOKENS))
-        return await generate(request, body, prompt_ids, max_tokens, "messages", chat=True)
+        return await generate(request, body, prompt_ids, max_tokens, "messages", tools=tools)
 
     async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                       max_tokens: int, prompt_field: str, chat: bool) -> Response:
+                       max_tokens: int, prompt_field: str, tools: ToolCalling | None = None) -> Response:
+        """`tools`: a chat request's (None: a completion)."""
+        chat = tools is not None
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; allowed: {model_name!r}", "model",
                            code="model_not_found")
@@ -168,13 +177,13 @@ def build_app(
         request_id = uuid.uuid4().hex
         config = generation_config_for(body, max_tokens, base_config)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        reply = _Reply(request_id, model_name, chat, include_usage)
+        reply = _Reply(request_id, model_name, include_usage, prompt_ids, tools)
         choices = [
             _Choice(index, request_id if body.n == 1 else f"{request_id}-{index}",
                     IncrementalText(tokenizer, body.stop, with_logprobs=body.num_top_logprobs is not None))
             for index in range(body.n)
         ]  # fmt: skip
-        grammar = await grammars.compile(body.response_format)
+        grammar = await grammars.compile(body.response_format, None if tools is None else tools.schema)
         penalties = output_token_penalties(body, len(prompt_ids))
         outputs = _EngineOutputs(request, engine_loop)
         for choice in choices:
@@ -252,6 +261,15 @@ def output_token_penalties(body: SamplingRequest, prompt_len: int) -> list[Outpu
     return [OutputTokenPenalties(body.presence_penalty, body.frequency_penalty, prompt_width=prompt_len)]
 
 
+def _template_message(message: ChatMessage) -> dict:
+    """A message as chat templates take it: a tool call's arguments as a mapping (templates iterate
+    them), where OpenAI sends JSON text."""
+    fields = message.model_dump(exclude_none=True)
+    for call in fields.get("tool_calls", []):
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return fields
+
+
 def _check_token_ids(token_ids: list[int], vocab_size: int, field: str = "prompt") -> None:
     bad = [token for token in token_ids if not 0 <= token < vocab_size]
     if bad:
@@ -281,29 +299,33 @@ class _GrammarCompiler:
         self._compiler = None
         self._lock = threading.Lock()
 
-    async def compile(self, response_format: ResponseFormat | None) -> Any:
+    async def compile(self, response_format: ResponseFormat | None, tools_schema: dict | None = None) -> Any:
+        """The grammar of `response_format`, or of the tool calls `tool_choice` requires (`ToolCalling.schema`:
+        the two never come together)."""
+        if tools_schema is not None:  # compact JSON: a call's arguments, not a document to lay out
+            return await asyncio.to_thread(self._compile_schema, tools_schema, True, "tools", False)
         if response_format is None or response_format.type == "text":
             return None
-        return await asyncio.to_thread(self._compile, response_format)
+        if response_format.type == "json_object":  # OpenAI's JSON mode: any JSON object
+            return await asyncio.to_thread(self._compile_schema, {"type": "object"}, False, "response_format")
+        schema = response_format.json_schema
+        return await asyncio.to_thread(self._compile_schema, schema.json_schema, schema.strict is not False,
+                                       "response_format.json_schema.schema")  # fmt: skip
 
-    def _compile(self, response_format: ResponseFormat) -> Any:
+    def _compile_schema(self, schema: dict, strict: bool, param: str, any_whitespace: bool = True) -> Any:
         try:
             import xgrammar as xgr
         except ImportError:
-            raise APIError(400, "response_format needs xgrammar on the server: pip install 'hf-specdec[structured]'",
-                           "response_format") from None
+            raise APIError(400, f"{param.split('.')[0]} needs xgrammar on the server: pip install 'hf-specdec[structured]'",
+                           param.split(".")[0]) from None
         with self._lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info)
-        if response_format.type == "json_object":  # OpenAI's JSON mode: any JSON object
-            return self._compiler.compile_json_schema(json.dumps({"type": "object"}), strict_mode=False)
-        schema = response_format.json_schema
         try:
-            return self._compiler.compile_json_schema(json.dumps(schema.json_schema), strict_mode=schema.strict is not False)
+            return self._compiler.compile_json_schema(json.dumps(schema), strict_mode=strict, any_whitespace=any_whitespace)
         except Exception as error:  # xgrammar's message names what it cannot take
-            raise APIError(400, f"response_format.json_schema.schema is not a JSON schema xgrammar can compile: {error}",
-                           "response_format.json_schema.schema") from None
+            raise APIError(400, f"{param} is not a JSON schema xgrammar can compile: {error}", param) from None
 
 
 def _choice_seed(seed: int | None, index: int) -> int | None:
@@ -412,6 +434,7 @@ class IncrementalText:
         self.text = ""  # sent so far
         self.finish_reason: str | None = None
         self.completion_tokens = 0
+        self.token_ids: list[int] = []  # the output tokens so far
         self.with_logprobs = with_logprobs
         self.logprobs: list[Any] = []  # the engine's TokenLogprob of every output token so far
         self.token_ends: list[int] = []  # the text's length after each of them
@@ -419,6 +442,7 @@ class IncrementalText:
         self.cut_by_stop_string = False
 
     def advance(self, output: Any) -> str:
+        self.token_ids = output.token_ids
         self.completion_tokens = len(output.token_ids)
         if self.with_logprobs:
             self.logprobs.extend(output.logprobs)
@@ -472,23 +496,49 @@ class IncrementalText:
 
 
 class _Reply:
-    """OpenAI's response JSON for one request: the whole of it, or its server-sent events."""
+    """OpenAI's response JSON for one request: the whole of it, or its server-sent events. `tools`: a
+    chat request's (None: a completion)."""
 
-    def __init__(self, request_id: str, model_name: str, chat: bool, include_usage: bool) -> None:
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
-        self.model_name, self.chat, self.include_usage = model_name, chat, include_usage
+    def __init__(self, request_id: str, model_name: str, include_usage: bool, prompt_ids: list[int],
+                 tools: ToolCalling | None) -> None:  # fmt: skip
+        self.chat = tools is not None
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
+        self.model_name, self.include_usage, self.prompt_ids, self.tools = model_name, include_usage, prompt_ids, tools
         self.created = int(time.time())
+
+    @property
+    def sends_whole_messages(self) -> bool:
+        """Whether each choice's text is held until it finishes (tool calls are parsed from all of it)."""
+        return self.tools is not None and self.tools.parses_calls
+
+    def message(self, text: IncrementalText) -> tuple[dict, str]:
+        """A finished chat choice's message fields (tool calls split out of it) and its finish reason."""
+        token_ids = None if text.cut_by_stop_string else text.token_ids
+        return self.tools.message(text.text, token_ids, self.prompt_ids, text.finish_reason)
 
     def whole(self, choices: list[_Choice], prompt_tokens: int) -> dict:
         """The response of finished `choices`."""
         body = []
         for choice in choices:
-            text = choice.text
-            content = {"message": {"role": "assistant", "content": text.text}} if self.chat else {"text": text.text}
+            text, finish_reason = choice.text, choice.text.finish_reason
+            if self.chat:
+                message, finish_reason = self.message(text)
+                content = {"message": {"role": "assistant", **message}}
+            else:
+                content = {"text": text.text}
             body.append({"index": choice.index, **content, "logprobs": _logprobs_json(text.take_logprobs(), self.chat),
-                         "finish_reason": text.finish_reason})
+                         "finish_reason": finish_reason})
         completion_tokens = sum(choice.text.completion_tokens for choice in choices)
         return self._body(body, streaming=False, usage=_usage(prompt_tokens, completion_tokens))
+
+    def message_chunk(self, choice: _Choice) -> str:
+        """A finished choice's whole message as one event (`sends_whole_messages`), tool calls indexed."""
+        message, finish_reason = self.message(choice.text)
+        if "tool_calls" in message:
+            message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        choices = [{"index": choice.index, "delta": message,
+                    "logprobs": _logprobs_json(choice.text.take_logprobs(), self.chat), "finish_reason": finish_reason}]
+        return _event(self._body(choices, streaming=True, **({"usage": None} if self.include_usage else {})))
 
     def chunk(self, text: str | None, finish_reason: str | None = None, logprobs: list[LoggedToken] | None = None,
               index: int = 0) -> str:
@@ -544,7 +594,10 @@ async def _events(first: Any, outputs: _EngineOutputs, choices: list[_Choice], b
             choice = by_id[output.request_id]
             text = choice.text
             new_text = text.advance(output)
-            if new_text or text.finish_reason is not None:
+            if reply.sends_whole_messages:
+                if text.finish_reason is not None:
+                    yield reply.message_chunk(choice)
+            elif new_text or text.finish_reason is not None:
                 yield reply.chunk(new_text, text.finish_reason, text.take_logprobs(), index=choice.index)
             if text.finish_reason is not None:
                 outputs.abort(choice.request_id)  # a stop string ended its text: the engine may stop too
