@@ -18,6 +18,8 @@ import torch
 from .config import AUTO, CPU_LINEAR_BACKENDS, METHODS
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# serve's chunked prefill: see docs/measurements.md, "Chunked prefill"
+SERVE_PREFILL_CHUNK_SIZE = 512
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +176,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--num-kv-blocks", type=int,
         help="the target's KV pool in blocks of the config's block_size (default: 2048 tokens per request row)",
+    )
+    serve.add_argument(
+        "--prefill-chunk-size", type=int, default=SERVE_PREFILL_CHUNK_SIZE,
+        help="at most this many prompt tokens per engine step: a long prompt joins over several steps instead of "
+        f"stalling the running requests (default {SERVE_PREFILL_CHUNK_SIZE}; 0: each prompt in one step)",
     )
     serve.add_argument("--dtype", choices=DTYPES, default="auto")
     serve.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -393,7 +400,7 @@ def _serve(args: argparse.Namespace) -> int:
     serve(
         args.model, config, host=args.host, port=args.port, api_key=args.api_key, max_batch_size=args.max_batch_size,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, dtype=DTYPES[args.dtype],
-        device=args.device,
+        device=args.device, prefill_chunk_size=args.prefill_chunk_size or None,
     )  # fmt: skip
     return 0
 

@@ -41,6 +41,7 @@ from hf_specdec import SpeculativeEngine
 from hf_specdec.cache.architectures import UnsupportedModelError
 from hf_specdec.cache.paged_attention import ATTENTION_NAME
 from hf_specdec.drafters.drafting import DraftTokenPicker
+from hf_specdec.drafters.eagle import EagleProposer
 from hf_specdec.loop import engine as engine_module
 from hf_specdec.sampling.penalties import OutputTokenPenalties
 
@@ -110,6 +111,59 @@ def test_requests_joining_mid_flight_match_plain_generate(model, method):
     # idle: the model is handed back (its attention restored), plain generate works on it
     assert model.config._attn_implementation != ATTENTION_NAME
     assert _alone(model, prompts[0], 5) == expected[tuple(prompts[0])][:5]
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle3", "layer_skip", "ngram_tree"])
+def test_chunked_prefill_matches_plain_generate(model, method):
+    """Prompts fed 5 tokens a step (`prefill_chunk_size`): rows in the middle of their prompt sit in
+    the same forwards as rows decoding, and every output is still plain generate()'s."""
+    prompts = repeated_span_prompts(6, seed=3)
+    lengths = [12, 30, 7, 25, 18, 3]
+    engine = SpeculativeEngine(model, _configs(model)[method], max_batch_size=4, prefill_chunk_size=5)
+    arrivals = {0: [], 3: []}
+    for i, (prompt, length) in enumerate(zip(prompts, lengths)):
+        arrivals[0 if i < 3 else 3].append((prompt, {"max_new_tokens": length, "do_sample": False}))
+    outputs = _run(engine, arrivals)
+    assert [o[-1].token_ids for o in outputs.values()] == [_alone(model, p, n) for p, n in zip(prompts, lengths)]
+    assert engine.num_kv_blocks_used == 0 and (method == "none" or engine.metrics.num_draft_tokens > 0)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "lfm2"])
+def test_chunked_prefill_on_windows_and_recurrent_state(model_type):
+    other = families.build_tiny_model(model_type)
+    prompts = repeated_span_prompts(4, seed=6)
+    engine = SpeculativeEngine(other, ngram_config(k=3), max_batch_size=3, prefill_chunk_size=4)
+    outputs = _run(engine, {0: [(p, {"max_new_tokens": 12, "do_sample": False}) for p in prompts[:3]],
+                            2: [(prompts[3], {"max_new_tokens": 12, "do_sample": False})]})  # fmt: skip
+    assert [o[-1].token_ids for o in outputs.values()] == [_alone(other, p, 12) for p in prompts]
+
+
+def test_chunked_prefill_gives_drafters_the_whole_prompt_at_once(model, monkeypatch):
+    """A drafter sees a chunked prompt as it sees an unchunked one: not at all while it is fed, then
+    every position's target features at once (EAGLE-3: the same drafts, step for step)."""
+    prompt = repeated_span_prompts(1, seed=5)[0]
+    config = _configs(model)["eagle3"]
+    calls = []
+    propose = EagleProposer.propose
+
+    def logged(self, request):
+        proposal = propose(self, request)
+        calls.append([(len(t), d.tolist()) for t, d in zip(request.token_ids, proposal.draft_token_ids)])
+        return proposal
+
+    monkeypatch.setattr(EagleProposer, "propose", logged)
+    runs = {}
+    for chunk in (None, 4):
+        calls.clear()
+        engine = SpeculativeEngine(model, config, max_batch_size=1, prefill_chunk_size=chunk)
+        request_id, steps_to_first_token = engine.add_request(prompt, {"max_new_tokens": 20, "do_sample": False}), 0
+        while not any(o.request_id == request_id for o in engine.step()):
+            steps_to_first_token += 1
+        while engine.has_unfinished():
+            engine.step()
+        runs[chunk] = (list(calls), steps_to_first_token)
+    assert runs[4][1] == -(-len(prompt) // 4) - 1 and runs[None][1] == 0  # the chunks' steps emit nothing
+    assert runs[4][0] == runs[None][0] and sum(len(d) for step in runs[None][0] for _, d in step) > 0
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "gemma3_text", "lfm2"])
@@ -372,6 +426,8 @@ def test_bad_engine_arguments(model):
         SpeculativeEngine(model, None, max_batch_size=0)
     with pytest.raises(ValueError, match="exceeds the model's limit"):
         SpeculativeEngine(model, None, max_model_len=10_000)
+    with pytest.raises(ValueError, match="prefill_chunk_size must be a positive integer"):
+        SpeculativeEngine(model, None, prefill_chunk_size=0)
     engine = SpeculativeEngine(model, None, max_batch_size=1)
     engine.add_request([3, 4], request_id="a")
     with pytest.raises(ValueError, match="request_id='a' must be a string not already in use"):

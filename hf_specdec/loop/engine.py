@@ -8,8 +8,9 @@
 
 Each request owns a row of the batch (a slot). It joins at a step boundary: its whole prompt is
 just its pending tokens, so its prefill rides in the next verify forward next to the other rows'
-drafts, as the first step of `generate()` treats every prompt. Rows that finish or are aborted
-free their KV blocks and drafter state at once, and the slot takes the next waiting request.
+drafts, as the first step of `generate()` treats every prompt (with `prefill_chunk_size`, a long
+prompt rides along a chunk per step: `step.prompt_chunks`). Rows that finish or are aborted free
+their KV blocks and drafter state at once, and the slot takes the next waiting request.
 
 Admission reserves the KV blocks a request can ever hold (prompt + max_new_tokens, plus a tree's
 slots): a request waits until the pool has them, and a running row can never find the pool empty,
@@ -135,6 +136,9 @@ class SpeculativeEngine:
     the longest a request may get, prompt included (default: the model's limit, at most 4096).
     `num_kv_blocks`: the target's KV pool, in blocks of `speculative_config.block_size` tokens
     (default: 2048 tokens per row). `tokenizer`: needed for requests with `stop_strings`.
+    `prefill_chunk_size`: at most this many prompt tokens per step (chunked prefill: a long prompt
+    joins over several steps instead of stalling every running request for one long step); None:
+    each prompt in one step.
 
     Public attributes: `model`, `config` (the `SpeculativeConfig`), `max_batch_size`, `max_model_len`,
     `tokenizer`, `metrics` (`SpecDecodeMetrics`, summed over every step).
@@ -149,9 +153,13 @@ class SpeculativeEngine:
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
         tokenizer=None,
+        prefill_chunk_size: int | None = None,
     ):
         config = SpeculativeConfig.from_any(NO_DRAFTS if speculative_config is None else speculative_config)
-        for name, value in (("max_batch_size", max_batch_size), ("max_model_len", max_model_len), ("num_kv_blocks", num_kv_blocks)):
+        for name, value in (
+            ("max_batch_size", max_batch_size), ("max_model_len", max_model_len), ("num_kv_blocks", num_kv_blocks),
+            ("prefill_chunk_size", prefill_chunk_size),
+        ):  # fmt: skip
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"SpeculativeEngine: {name} must be a positive integer, got {value!r}")
         if config.rejection_sample_method == "block":
@@ -165,6 +173,7 @@ class SpeculativeEngine:
         if max_model_len > limit:
             raise ValueError(f"SpeculativeEngine: max_model_len={max_model_len} exceeds the model's limit ({limit} positions)")
         self.max_batch_size, self.max_model_len, self.tokenizer = max_batch_size, max_model_len, tokenizer
+        self.prefill_chunk_size = prefill_chunk_size
         self._tree_slots = 0 if config.tree is None else config.tree.num_nodes
         row_blocks = -(-(min(max_model_len, DEFAULT_TOKENS_PER_ROW) + 1 + self._tree_slots) // config.block_size)
         num_blocks = num_kv_blocks or max_batch_size * row_blocks
@@ -205,6 +214,7 @@ class SpeculativeEngine:
         and stopping criteria for the batch; drafters sample as `generation_config` says."""
         engine = cls.__new__(cls)
         engine.max_batch_size, engine.max_model_len, engine.tokenizer = len(state.finished), state.token_buffer.shape[1], None
+        engine.prefill_chunk_size = None
         engine._row_processors = engine._row_stops = None
         engine._setup(model, config, state, sampling, num_blocks, stop_checker, logits_processor, config, generation_config)
         return engine
@@ -465,7 +475,7 @@ class SpeculativeEngine:
             return speculative_step(
                 self.model, self.state, self.proposer, self.cache, self.config, processors, self.stop_checker,
                 self.sampling, self.metrics, self.features, k_controller=self.k_controller,
-                tree_controller=self.tree_controller, keep_logits=keep_logits,
+                tree_controller=self.tree_controller, keep_logits=keep_logits, prefill_chunk=self.prefill_chunk_size,
             )  # fmt: skip
 
     def _admit(self) -> bool:

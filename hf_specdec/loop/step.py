@@ -3,7 +3,8 @@
 1. draft: the proposer gives each active row up to k tokens (ragged, possibly none); k is the
    config's, or with num_speculative_tokens="auto" chosen per step (`auto_k.py`);
 2. verify: one target forward over every row's pending token(s) and drafts, packed varlen into
-   the paged KV cache (a row that just joined has its whole prompt pending: its prefill rides along);
+   the paged KV cache (a row that just joined has its whole prompt pending: its prefill rides along,
+   or a chunk of it per step with `prefill_chunk`);
 3. sample: logits processors at every verify position, then rejection sampling;
 4. emit: append accepted drafts + the bonus / recovered token, apply stopping criteria per
    token, roll the cache back to the accepted length, release finished rows.
@@ -85,18 +86,33 @@ def speculative_step(
     k_controller: AutoKController | None = None,
     tree_controller: AutoTreeController | None = None,
     keep_logits: bool = False,
+    prefill_chunk: int | None = None,
 ) -> list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
     """One draft / verify / accept step over every active row.
 
     `features` (drafters with `target_feature_layers`): hooks capturing the target's hidden states;
     the accepted positions' ones wait in `features.pending` until the drafter takes them.
     `k_controller` (num_speculative_tokens="auto"): picks this step's k and learns from its timing;
-    `tree_controller` (tree="auto"): the same for the tree's size.
+    `tree_controller` (tree="auto"): the same for the tree's size. `prefill_chunk`: at most this many
+    prompt tokens enter the forward per step (`prompt_chunks`); None: every prompt at once.
 
     Returns, per active row: (row, emitted tokens, their raw logits, their processed logits), the
     logits only with `keep_logits` (else None).
     """
     rows = state.active_rows()
+    chunk_rows, chunk_lens = _NO_ROWS, _NO_ROWS
+    if prefill_chunk is not None:
+        rows, chunk_rows, chunk_lens = prompt_chunks(state, rows, prefill_chunk)
+    if k_controller is not None and (len(chunk_rows) or ((state.seq_lens - state.pad_lens - state.num_cached)[rows] > 1).any()):
+        k_controller.begin_call()  # a step feeding prompts, and the next (a drafter's catch-up), are not decode steps
+    if not len(rows):  # every row is still feeding its prompt
+        if features is not None:
+            features.begin_forward()
+        chunks, chunk_positions = _chunk_segments(state, chunk_rows, chunk_lens)
+        input_ids, position_ids = to_device([np.concatenate(chunks), np.concatenate(chunk_positions)], model.device)
+        forward_tokens(model, cache, chunk_rows.tolist(), chunk_lens.tolist(), input_ids, position_ids, _NO_ROWS)
+        _fed_chunks(state, features, chunk_rows, chunk_lens, first=0)
+        return []
     seq_lens = state.seq_lens[rows]
 
     # 1. draft: k drafts, never more than the row may still emit, minus the token the target adds
@@ -130,20 +146,31 @@ def speculative_step(
     num_pending = np.array([len(p) for p in pending], dtype=np.int64)
     segments = [np.concatenate([p.numpy(), d]) for p, d in zip(pending, proposal.draft_token_ids)]
     segment_lens = num_pending + num_draft
+    # prompt chunks of rows still feeding theirs ride after the rows above: no drafts, no logits
+    chunks, chunk_positions = _chunk_segments(state, chunk_rows, chunk_lens)
     if trees is None:
         positions = np.concatenate([np.arange(c, c + n) for c, n in zip(state.num_cached[rows], segment_lens)])
         tree_mask = None
     else:
-        positions, tree_mask = tree_layout(state.num_cached[rows], num_pending, trees)
+        no_trees = [_NO_ROWS] * len(chunk_rows)
+        positions, tree_mask = tree_layout(
+            np.concatenate([state.num_cached[rows], state.num_cached[chunk_rows]]), np.concatenate([num_pending, chunk_lens]),
+            trees + no_trees,
+        )  # fmt: skip
+        positions = positions[: int(segment_lens.sum())]
     segment_ends = np.cumsum(segment_lens)
     # logits of the last pending token and of every draft: num_draft + 1 per row
     keep = np.concatenate([np.arange(end - n - 1, end) for end, n in zip(segment_ends, num_draft)])
     if features is not None:
         features.begin_forward()
-    input_ids, position_ids = to_device([np.concatenate(segments), positions], model.device)
+    input_ids, position_ids = to_device(
+        [np.concatenate(segments + chunks), np.concatenate([positions, *chunk_positions])], model.device
+    )
     logits = forward_tokens(
-        model, cache, rows.tolist(), segment_lens.tolist(), input_ids, position_ids, keep, tree_mask=tree_mask
-    ).float()
+        model, cache, rows.tolist() + chunk_rows.tolist(), segment_lens.tolist() + chunk_lens.tolist(), input_ids,
+        position_ids, keep, tree_mask=tree_mask,
+    ).float()  # fmt: skip
+    _fed_chunks(state, features, chunk_rows, chunk_lens, first=int(segment_lens.sum()))
     metrics.record_kv_usage(cache.num_blocks_used, cache.blocks_needed(state.num_cached[rows] + num_pending))
     metrics.verify_seconds += timer.lap("verify")
 
@@ -232,12 +259,56 @@ def speculative_step(
     if stopped.any():
         release_rows(state, cache, proposer, features, rows[stopped].tolist())
     timer.lap("emit")
-    timer.finish(fed_prompt=bool(num_pending.max() > 1))
-    if tree_controller is not None and num_draft.any() and num_pending.max() == 1:  # a drafted step, no prefill
+    timer.finish(fed_prompt=bool(num_pending.max() > 1 or len(chunk_rows)))
+    if tree_controller is not None and num_draft.any() and num_pending.max() == 1 and not len(chunk_rows):  # no prefill
         tree_controller.record_step(len(rows), tree_size, timer.elapsed(), int(num_kept.sum()))
     if k_controller is not None:
         k_controller.record_step(timer.elapsed(), k, spec.num_draft_tokens, num_accepted.tolist())
     return emitted
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+def prompt_chunks(state: DecodeState, rows: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Chunked prefill: which rows step as usual, and which only feed the next `chunk_lens` tokens of
+    their prompt, at most `budget` prompt tokens in all, rows in order (a decoding row has one pending
+    token and always steps). A prompt that fits in what is left steps as usual (its last chunk);
+    a row the budget does not reach waits. Returns (rows, chunk_rows, chunk_lens)."""
+    pending = state.seq_lens[rows] - state.pad_lens[rows] - state.num_cached[rows]
+    stepping, chunk_rows, chunk_lens = [], [], []
+    for row, count in zip(rows, pending):
+        if count == 1:
+            stepping.append(row)
+        elif count <= budget:
+            stepping.append(row)
+            budget -= count
+        elif budget > 0:
+            chunk_rows.append(row)
+            chunk_lens.append(budget)
+            budget = 0
+    as_array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+    return as_array(stepping), as_array(chunk_rows), as_array(chunk_lens)
+
+
+def _chunk_segments(state: DecodeState, rows: np.ndarray, lens: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The tokens and positions of each row's next prompt chunk."""
+    tokens = [state.pending_tokens(int(row))[: int(n)].numpy() for row, n in zip(rows, lens)]
+    positions = [np.arange(start, start + n) for start, n in zip(state.num_cached[rows], lens)]
+    return tokens, positions
+
+
+def _fed_chunks(
+    state: DecodeState, features: TargetFeatureCapture | None, rows: np.ndarray, lens: np.ndarray, first: int
+) -> None:
+    """Prompt chunks packed from `first` on went through the forward: their K/V are in the cache, and
+    their target features wait, held from the drafter, until the prompt's last chunk steps (a drafter
+    then catches up on the whole prompt at once, as on an unchunked one)."""
+    for row, n in zip(rows, lens):
+        state.num_cached[row] += n
+        if features is not None:
+            features.hold_at(int(row), first + np.arange(n))
+        first += int(n)
 
 
 def release_rows(

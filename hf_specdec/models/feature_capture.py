@@ -142,6 +142,7 @@ class TargetFeatureCapture:
         # hybrid model's cache runs its rows one at a time: together they are the packed layout)
         self._captured: dict[int, list[torch.Tensor]] = {}
         self.pending = PendingFeatures()
+        self.held = PendingFeatures()  # prompt chunks' features, not the drafter's until the prompt is in
         self._handles: list = []
 
     def __enter__(self) -> TargetFeatureCapture:
@@ -159,6 +160,7 @@ class TargetFeatureCapture:
         self._handles.clear()
         self._captured.clear()
         self.pending.clear()
+        self.held.clear()
 
     def _input_hook(self, index: int):
         def hook(module, args, kwargs):
@@ -201,12 +203,21 @@ class TargetFeatureCapture:
 
     def keep_at(self, row: int, positions: np.ndarray) -> None:
         """Row `row`'s tokens at these packed positions of the captured verify became context, in
-        this order (a draft tree's pending tokens and accepted path)."""
+        this order (a draft tree's pending tokens and accepted path), after any held for the row."""
+        self.pending.add(row, self.held.take(row))
+        self.pending.add(row, self._at(positions))
+
+    def hold_at(self, row: int, positions: np.ndarray) -> None:
+        """A prompt chunk of row `row` at these packed positions: held until the row's next `keep_at`."""
+        self.held.add(row, self._at(positions))
+
+    def _at(self, positions: np.ndarray) -> torch.Tensor:
         (index,) = to_device([np.asarray(positions, dtype=np.int64)], self._hidden(self.layers[0]).device)
-        self.pending.add(row, torch.cat([self._hidden(i)[0, index] for i in self.layers], dim=-1))
+        return torch.cat([self._hidden(i)[0, index] for i in self.layers], dim=-1)
 
     def drop(self, row: int) -> None:
         self.pending.drop(row)
+        self.held.drop(row)
 
 
 def capture_for_proposer(model: nn.Module, proposer: object) -> contextlib.AbstractContextManager:

@@ -682,7 +682,8 @@ class _RequestCounters:
 
 def serve(model_path: str, speculative_config: SpeculativeConfig | dict | str | None, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_batch_size: int = 16, max_model_len: int | None = None,
-          num_kv_blocks: int | None = None, dtype: torch.dtype | str = "auto", device: str = "cpu") -> None:
+          num_kv_blocks: int | None = None, dtype: torch.dtype | str = "auto", device: str = "cpu",
+          prefill_chunk_size: int | None = None) -> None:
     """Loads the model (a folder, a Hub id, or 'smollm2' / 'gemma3' from PyPI, as `hf-specdec bench`)
     and serves it until interrupted. Without `api_key` on a host other than localhost, warns: anyone who
     can reach the port can use the model."""
@@ -691,7 +692,7 @@ def serve(model_path: str, speculative_config: SpeculativeConfig | dict | str | 
               "(give --api-key or set HF_SPECDEC_API_KEY)", file=sys.stderr)
     model, tokenizer = load_target(model_path, dtype, device)
     engine = SpeculativeEngine(model, speculative_config, max_batch_size=max_batch_size, max_model_len=max_model_len,
-                               num_kv_blocks=num_kv_blocks, tokenizer=tokenizer)
+                               num_kv_blocks=num_kv_blocks, tokenizer=tokenizer, prefill_chunk_size=prefill_chunk_size)
     run_app(build_app(engine, tokenizer, model_path, api_key, engine_thread=False), host, port)
 
 
