@@ -287,8 +287,7 @@ def prompt_chunks(state: DecodeState, rows: np.ndarray, budget: int) -> tuple[np
             chunk_rows.append(row)
             chunk_lens.append(budget)
             budget = 0
-    as_array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
-    return as_array(stepping), as_array(chunk_rows), as_array(chunk_lens)
+    return tuple(np.array(values, dtype=np.int64) for values in (stepping, chunk_rows, chunk_lens))
 
 
 def _chunk_segments(state: DecodeState, rows: np.ndarray, lens: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -152,8 +152,9 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         if tokenizer.chat_template is None:
             raise APIError(400, f"the model {model_name!r} has no chat template: use /v1/completions", "messages")
-        try:
-            tools = ToolCalling(body, tokenizer, engine.model.config.model_type)
+        arguments = (body, tokenizer, engine.model.config.model_type)
+        try:  # with tools, off the event loop: the first finds transformers' response templates (an import)
+            tools = await asyncio.to_thread(ToolCalling, *arguments) if body.tools else ToolCalling(*arguments)
         except ToolRequestError as error:
             raise APIError(400, str(error), error.param) from None
         messages = [_template_message(message) for message in body.messages]
