@@ -24,7 +24,7 @@ from hf_specdec import SpeculativeEngine
 from hf_specdec.models.real_models import smollm2_path
 from hf_specdec.serving import build_app
 from hf_specdec.serving.protocol import ChatCompletionRequest
-from hf_specdec.serving.tools import ToolCalling
+from hf_specdec.serving.tools import StreamedReply, ToolCalling
 
 MODEL_NAME = "tiny-qwen"
 # ChatML with tools, laid out as Qwen2.5's template lays them out
@@ -192,6 +192,33 @@ def test_auto_finds_calls_with_the_families_response_template(tokenizer):
     assert len(tools.message(two, None, prompt, "stop")[0]["tool_calls"]) == 2
     assert [c["function"]["name"] for c in one.message(two, None, prompt, "stop")[0]["tool_calls"]] == ["get_weather"]
     assert tools.message(text[:20], None, prompt, "length") == ({"content": text[:20]}, "length")
+
+
+def test_streamed_auto_replies_are_parsed_as_they_come(tokenizer):
+    """Fed a token at a time, the streamed parser sends the content as it comes and each call once
+    closed: together they are the whole reply's parse."""
+    tools = ToolCalling(ChatCompletionRequest(messages=MESSAGES, tools=[WEATHER, CLOCK]), tokenizer, "qwen2")
+    text = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"unit": "f", "rain": true}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"utc": false}}\n</tool_call>')  # fmt: skip
+    ids = tokenizer(text + "<|im_end|>", add_special_tokens=False).input_ids
+    prompt = prompt_ids(tokenizer, MESSAGES, [WEATHER, CLOCK])
+    whole, _ = tools.message(text, ids, prompt, "stop")
+    stream = StreamedReply(tools, prompt)
+    deltas = [stream.feed([token]) for token in ids] + [stream.finish()]
+    assert sum(bool(d.get("content")) for d in deltas) > 1  # the content came in pieces
+    assert "".join(d.get("content", "") for d in deltas).strip() == whole["content"]
+    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert [c["index"] for c in calls] == [0, 1] and stream.num_calls == 2
+    assert [c["function"] for c in calls] == [c["function"] for c in whole["tool_calls"]]
+
+
+def test_streamed_auto_text_matches_the_whole_reply(client):
+    request = dict(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], temperature=0, max_tokens=16)
+    whole = client.chat.completions.create(**request).choices[0]
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    contents = [chunk.choices[0].delta.content for chunk in chunks if chunk.choices[0].delta.content]
+    assert len(contents) > 1 and "".join(contents) == whole.message.content
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "length"
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ from .protocol import (
     error_body,
     validation_error_body,
 )
-from .tools import ToolCalling, ToolRequestError
+from .tools import StreamedReply, ToolCalling, ToolRequestError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 1024  # chat without max_tokens: the room left in max_model_len, at most this
@@ -179,9 +179,11 @@ def build_app(
         config = generation_config_for(body, max_tokens, base_config)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         reply = _Reply(request_id, model_name, include_usage, prompt_ids, tools)
+        parsed_as_streamed = body.stream and tools is not None and tools.streams_calls and not body.stop
         choices = [
             _Choice(index, request_id if body.n == 1 else f"{request_id}-{index}",
-                    IncrementalText(tokenizer, body.stop, with_logprobs=body.num_top_logprobs is not None))
+                    IncrementalText(tokenizer, body.stop, with_logprobs=body.num_top_logprobs is not None),
+                    StreamedReply(tools, prompt_ids) if parsed_as_streamed else None)
             for index in range(body.n)
         ]  # fmt: skip
         grammar = await grammars.compile(body.response_format, None if tools is None else tools.schema)
@@ -339,11 +341,13 @@ def _choice_seed(seed: int | None, index: int) -> int | None:
 
 @dataclass
 class _Choice:
-    """One of a request's `n` completions: its request in the engine and its text."""
+    """One of a request's `n` completions: its request in the engine and its text (streamed with
+    tool_choice "auto": `reply`, its tool calls parsed as its tokens arrive)."""
 
     index: int
     request_id: str
     text: IncrementalText
+    reply: StreamedReply | None = None
 
 
 class _EngineOutputs:
@@ -537,18 +541,21 @@ class _Reply:
         message, finish_reason = self.message(choice.text)
         if "tool_calls" in message:
             message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-        choices = [{"index": choice.index, "delta": message,
-                    "logprobs": _logprobs_json(choice.text.take_logprobs(), self.chat), "finish_reason": finish_reason}]
-        return _event(self._body(choices, streaming=True, **({"usage": None} if self.include_usage else {})))
+        return self.delta_chunk(message, finish_reason, choice.text.take_logprobs(), choice.index)
 
     def chunk(self, text: str | None, finish_reason: str | None = None, logprobs: list[LoggedToken] | None = None,
               index: int = 0) -> str:
         """One event of choice `index`; chat: `text` None is its first chunk (the assistant's role)."""
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
-            choice = {"delta": delta}
-        else:
-            choice = {"text": text}
+            return self.delta_chunk({"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {}),
+                                    finish_reason, logprobs, index)  # fmt: skip
+        return self._chunk({"text": text}, finish_reason, logprobs, index)
+
+    def delta_chunk(self, delta: dict, finish_reason: str | None, logprobs: list[LoggedToken] | None, index: int) -> str:
+        """A chat event of choice `index` carrying `delta`."""
+        return self._chunk({"delta": delta}, finish_reason, logprobs, index)
+
+    def _chunk(self, choice: dict, finish_reason: str | None, logprobs: list[LoggedToken] | None, index: int) -> str:
         choices = [{"index": index, **choice, "logprobs": _logprobs_json(logprobs, self.chat), "finish_reason": finish_reason}]
         return _event(self._body(choices, streaming=True, **({"usage": None} if self.include_usage else {})))
 
@@ -595,7 +602,10 @@ async def _events(first: Any, outputs: _EngineOutputs, choices: list[_Choice], b
             choice = by_id[output.request_id]
             text = choice.text
             new_text = text.advance(output)
-            if reply.sends_whole_messages:
+            if choice.reply is not None:  # tool calls parsed as the tokens arrive
+                for event in _parsed_events(reply, choice, output.new_token_ids):
+                    yield event
+            elif reply.sends_whole_messages:
                 if text.finish_reason is not None:
                     yield reply.message_chunk(choice)
             elif new_text or text.finish_reason is not None:
@@ -612,6 +622,20 @@ async def _events(first: Any, outputs: _EngineOutputs, choices: list[_Choice], b
     finally:
         outputs.close()
         on_finish("error" if failed else None)
+
+
+def _parsed_events(reply: _Reply, choice: _Choice, new_token_ids: list[int]) -> list[str]:
+    """The events of a choice streamed through its `StreamedReply`: what the new tokens completed,
+    then, once it finished, what the end closes, with the finish reason ("tool_calls" when it
+    called one)."""
+    events, text = [], choice.text
+    delta = choice.reply.feed(new_token_ids)
+    if delta:
+        events.append(reply.delta_chunk(delta, None, text.take_logprobs(), choice.index))
+    if text.finish_reason is not None:
+        finish_reason = "tool_calls" if text.finish_reason == "stop" and choice.reply.num_calls else text.finish_reason
+        events.append(reply.delta_chunk(choice.reply.finish(), finish_reason, text.take_logprobs(), choice.index))
+    return events
 
 
 # engine.metrics fields exported as counters (cumulative) and gauges; docs/metrics.md says more

@@ -17,8 +17,11 @@
 - "none": the tools are in the prompt; the reply is text.
 
 Exactness is the engine's: the constrained output equals plain `generate()` with xgrammar's
-processor for the same schema. The tool calls are parsed only from a complete reply (not one cut
-at max_tokens); so a streamed reply with tools comes as one chunk when its choice finishes.
+processor for the same schema. Tool calls come only from a complete reply (not one cut at
+max_tokens). Streamed under "auto", a reply goes through transformers' streaming `ResponseParser`
+(`StreamedReply`): content and reasoning are sent as the model writes them, each call once the
+model closes it. Required and named replies (JSON to parse whole), and "auto" ones with stop strings
+(cut on text, not tokens), come as one chunk when the choice finishes.
 """
 
 from __future__ import annotations
@@ -93,6 +96,11 @@ class ToolCalling:
         return self.choice != "none" and bool(self.tools)
 
     @property
+    def streams_calls(self) -> bool:
+        """Whether a streamed reply can be parsed as it comes ("auto": the model's own format)."""
+        return self.parses_calls and self.choice == "auto"
+
+    @property
     def template_tools(self) -> list[dict] | None:
         return self.tools or None
 
@@ -148,6 +156,48 @@ class ToolCalling:
         if not calls:
             return {**message, "content": message["content"] or ""}, "stop"
         return {**message, "tool_calls": _tool_calls(calls)}, "tool_calls"
+
+
+class StreamedReply:
+    """One streamed choice under tool_choice "auto": `feed(token_ids)` and, once it finished,
+    `finish()` give OpenAI's delta fields (content, reasoning_content, tool_calls indexed in order)."""
+
+    def __init__(self, tools: ToolCalling, prompt_ids: list[int]) -> None:
+        from transformers.utils.chat_parsing import ResponseParser
+
+        self.tools, self.num_calls = tools, 0
+        # token ids where the tokenizer can decode them itself: special-token delimiters then match
+        self.by_ids = getattr(tools.tokenizer, "is_fast", False)
+        prefix = prompt_ids if self.by_ids else tools.tokenizer.decode(prompt_ids)
+        tokenizer = tools.tokenizer if self.by_ids else None
+        self.parser = ResponseParser(tools.template, prefix=prefix, tools=tools.tools, tokenizer=tokenizer)
+
+    def feed(self, token_ids: list[int]) -> dict:
+        return self._delta(self.parser.feed(token_ids if self.by_ids else self.tools.tokenizer.decode(token_ids)))
+
+    def finish(self) -> dict:
+        try:
+            return self._delta(self.parser.finalize()[1])
+        except ValueError as error:  # a reply the format cannot close (cut short): what was sent stands
+            logger.warning("could not finish parsing a streamed reply (%r)", error)
+            return {}
+
+    def _delta(self, events: list[dict]) -> dict:
+        texts: dict[str, str] = {}
+        calls = []
+        for event in events:
+            field = event.get("field")
+            if event["type"] == "region_chunk" and not event.get("dirty") and event.get("text"):
+                name = "reasoning_content" if field in ("reasoning_content", "thinking") else field
+                if name in ("content", "reasoning_content"):
+                    texts[name] = texts.get(name, "") + event["text"]
+            elif event["type"] == "region_close" and field == "tool_calls" and event.get("value"):
+                if self.tools.parallel or self.num_calls == 0:
+                    function = event["value"]["function"]
+                    (call,) = _tool_calls([(function["name"], function["arguments"])])
+                    calls.append({"index": self.num_calls, **call})
+                    self.num_calls += 1
+        return {**texts, **({"tool_calls": calls} if calls else {})}
 
 
 def _parameters(tool: dict) -> dict:
