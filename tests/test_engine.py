@@ -43,6 +43,7 @@ from hf_specdec.cache.paged_attention import ATTENTION_NAME
 from hf_specdec.drafters.drafting import DraftTokenPicker
 from hf_specdec.drafters.eagle import EagleProposer
 from hf_specdec.loop import engine as engine_module
+from hf_specdec.loop.step import DecodeState, prompt_chunks
 from hf_specdec.sampling.penalties import OutputTokenPenalties
 
 
@@ -136,6 +137,21 @@ def test_chunked_prefill_on_windows_and_recurrent_state(model_type):
     outputs = _run(engine, {0: [(p, {"max_new_tokens": 12, "do_sample": False}) for p in prompts[:3]],
                             2: [(prompts[3], {"max_new_tokens": 12, "do_sample": False})]})  # fmt: skip
     assert [o[-1].token_ids for o in outputs.values()] == [_alone(other, p, 12) for p in prompts]
+
+
+def test_prompt_chunks_share_the_budget_begun_prompts_first():
+    """Rows 0-3: a new 30-token prompt, a decoding row, a prompt begun earlier (20 left), a new
+    5-token prompt. Budget 24: the begun prompt takes 20 (its last chunk: it steps), the new long
+    one the 4 left; the short one waits; the decoding row always steps."""
+    state = DecodeState(
+        token_buffer=torch.zeros(4, 64, dtype=torch.long), pad_lens=np.zeros(4, dtype=np.int64),
+        seq_lens=np.array([30, 12, 40, 5]), num_cached=np.array([0, 11, 20, 0]), finished=np.zeros(4, dtype=bool),
+        max_lengths=np.full(4, 64), pad_token_id=0,
+    )  # fmt: skip
+    rows, chunk_rows, chunk_lens = prompt_chunks(state, np.arange(4), budget=24)
+    assert rows.tolist() == [1, 2] and chunk_rows.tolist() == [0] and chunk_lens.tolist() == [4]
+    rows, chunk_rows, chunk_lens = prompt_chunks(state, np.arange(4), budget=100)
+    assert rows.tolist() == [0, 1, 2, 3] and len(chunk_rows) == 0
 
 
 def test_chunked_prefill_gives_drafters_the_whole_prompt_at_once(model, monkeypatch):

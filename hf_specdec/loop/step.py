@@ -272,22 +272,21 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 
 def prompt_chunks(state: DecodeState, rows: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Chunked prefill: which rows step as usual, and which only feed the next `chunk_lens` tokens of
-    their prompt, at most `budget` prompt tokens in all, rows in order (a decoding row has one pending
-    token and always steps). A prompt that fits in what is left steps as usual (its last chunk);
-    a row the budget does not reach waits. Returns (rows, chunk_rows, chunk_lens)."""
+    their prompt, at most `budget` prompt tokens in all (a decoding row has one pending token and
+    always steps). Prompts already begun come first, so that new ones cannot starve them. A prompt
+    that fits in what is left steps as usual (its last chunk); a row the budget does not reach
+    waits. Returns (rows, chunk_rows, chunk_lens), each in row order."""
     pending = state.seq_lens[rows] - state.pad_lens[rows] - state.num_cached[rows]
-    stepping, chunk_rows, chunk_lens = [], [], []
-    for row, count in zip(rows, pending):
-        if count == 1:
-            stepping.append(row)
-        elif count <= budget:
-            stepping.append(row)
-            budget -= count
-        elif budget > 0:
-            chunk_rows.append(row)
-            chunk_lens.append(budget)
-            budget = 0
-    return tuple(np.array(values, dtype=np.int64) for values in (stepping, chunk_rows, chunk_lens))
+    allotted = np.zeros(len(rows), dtype=np.int64)  # the pending tokens each row feeds this step
+    for i in np.argsort(state.num_cached[rows] == 0, kind="stable"):
+        if pending[i] == 1:  # decoding
+            allotted[i] = 1
+        else:
+            allotted[i] = min(int(pending[i]), budget)
+            budget -= int(allotted[i])
+    stepping = allotted == pending
+    chunking = (allotted > 0) & ~stepping
+    return rows[stepping], rows[chunking], allotted[chunking]
 
 
 def _chunk_segments(state: DecodeState, rows: np.ndarray, lens: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
