@@ -119,16 +119,18 @@ def test_named_function_is_constrained_to_its_arguments(client, tokenizer, refer
     assert call.function.arguments == expected
     assert set(json.loads(expected)) == {"unit", "rain"}
     assert reply.usage.prompt_tokens == len(ids)  # the tools were rendered into the prompt
-    # streamed: the role chunk, then the whole message once the choice finishes
+    # streamed as OpenAI streams a call: its id and name with the first piece of the arguments, then pieces
     chunks = list(client.chat.completions.create(**request, stream=True))
     deltas = [chunk.choices[0].delta for chunk in chunks]
     assert deltas[0].role == "assistant" and chunks[-1].choices[0].finish_reason == "stop"
-    (streamed,) = [d.tool_calls for d in deltas if d.tool_calls]
-    assert streamed[0].index == 0 and streamed[0].function.name == "get_weather"
-    assert streamed[0].function.arguments == expected
+    pieces = [call for d in deltas for call in d.tool_calls or []]
+    assert len(pieces) > 1 and all(piece.index == 0 for piece in pieces)
+    assert pieces[0].id.startswith("call_") and pieces[0].function.name == "get_weather"
+    assert all(piece.id is None and piece.function.name is None for piece in pieces[1:])
+    assert "".join(piece.function.arguments for piece in pieces) == expected
 
 
-def test_required_is_a_list_of_calls_to_the_tools(client, tokenizer, reference):
+def test_required_is_a_list_of_calls_to_the_tools(server, client, tokenizer, reference):
     """At least one call, each naming a tool with its parameters; one at most without parallel calls
     (the random model, left free, adds calls until max_tokens)."""
     reply = client.chat.completions.create(
@@ -146,6 +148,8 @@ def test_required_is_a_list_of_calls_to_the_tools(client, tokenizer, reference):
         (call["name"], call["parameters"]) for call in expected
     ]
     assert len(expected) == 1
+    metrics = httpx.get(f"{server}/metrics").text
+    assert 'finish_reason="tool_calls"' in metrics  # counted as the reply ended, not as its text did
     many = ToolCalling(body.model_copy(update={"parallel_tool_calls": True}), tokenizer, "qwen2").schema
     assert "maxItems" not in many
 
@@ -204,7 +208,7 @@ def test_streamed_auto_replies_are_parsed_as_they_come(tokenizer):
     prompt = prompt_ids(tokenizer, MESSAGES, [WEATHER, CLOCK])
     whole, _ = tools.message(text, ids, prompt, "stop")
     stream = StreamedReply(tools, prompt)
-    deltas = [stream.feed([token]) for token in ids] + [stream.finish()]
+    deltas = [stream.feed([token], "") for token in ids] + [stream.finish()]
     assert sum(bool(d.get("content")) for d in deltas) > 1  # the content came in pieces
     assert "".join(d.get("content", "") for d in deltas).strip() == whole["content"]
     calls = [call for d in deltas for call in d.get("tool_calls", [])]

@@ -197,7 +197,7 @@ def build_app(
         def count(finish_reason: str | None = None) -> None:
             """Each choice as one request, ended as it ended (`finish_reason` overrides: "error")."""
             endpoint = "chat_completions" if chat else "completions"
-            reasons = [finish_reason or choice.text.finish_reason or "abort" for choice in choices]
+            reasons = [finish_reason or choice.finish_reason or choice.text.finish_reason or "abort" for choice in choices]
             counters.finished(endpoint, reasons, len(prompt_ids), sum(c.text.completion_tokens for c in choices))
 
         try:  # a failure before the first token is an HTTP error, streamed or not
@@ -233,8 +233,9 @@ def build_app(
         if any(choice.text.finish_reason is None for choice in choices):
             count()
             return Response(status_code=CLIENT_GONE)
+        whole = reply.whole(choices, len(prompt_ids))
         count()
-        return JSONResponse(reply.whole(choices, len(prompt_ids)))
+        return JSONResponse(whole)
 
     app.include_router(api)
     return app
@@ -348,6 +349,7 @@ class _Choice:
     request_id: str
     text: IncrementalText
     reply: StreamedReply | None = None
+    finish_reason: str | None = None  # as sent, where the reply's differs from the text's ("tool_calls")
 
 
 class _EngineOutputs:
@@ -528,7 +530,7 @@ class _Reply:
             text, finish_reason = choice.text, choice.text.finish_reason
             if self.chat:
                 message, finish_reason = self.message(text)
-                content = {"message": {"role": "assistant", **message}}
+                content, choice.finish_reason = {"message": {"role": "assistant", **message}}, finish_reason
             else:
                 content = {"text": text.text}
             body.append({"index": choice.index, **content, "logprobs": _logprobs_json(text.take_logprobs(), self.chat),
@@ -539,6 +541,7 @@ class _Reply:
     def message_chunk(self, choice: _Choice) -> str:
         """A finished choice's whole message as one event (`sends_whole_messages`), tool calls indexed."""
         message, finish_reason = self.message(choice.text)
+        choice.finish_reason = finish_reason
         if "tool_calls" in message:
             message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         return self.delta_chunk(message, finish_reason, choice.text.take_logprobs(), choice.index)
@@ -603,7 +606,7 @@ async def _events(first: Any, outputs: _EngineOutputs, choices: list[_Choice], b
             text = choice.text
             new_text = text.advance(output)
             if choice.reply is not None:  # tool calls parsed as the tokens arrive
-                for event in _parsed_events(reply, choice, output.new_token_ids):
+                for event in _parsed_events(reply, choice, output.new_token_ids, new_text):
                     yield event
             elif reply.sends_whole_messages:
                 if text.finish_reason is not None:
@@ -624,17 +627,18 @@ async def _events(first: Any, outputs: _EngineOutputs, choices: list[_Choice], b
         on_finish("error" if failed else None)
 
 
-def _parsed_events(reply: _Reply, choice: _Choice, new_token_ids: list[int]) -> list[str]:
+def _parsed_events(reply: _Reply, choice: _Choice, new_token_ids: list[int], new_text: str) -> list[str]:
     """The events of a choice streamed through its `StreamedReply`: what the new tokens completed,
     then, once it finished, what the end closes, with the finish reason ("tool_calls" when it
-    called one)."""
-    events, text = [], choice.text
-    delta = choice.reply.feed(new_token_ids)
+    called one under "auto")."""
+    events, text, streamed = [], choice.text, choice.reply
+    delta = streamed.feed(new_token_ids, new_text)
     if delta:
         events.append(reply.delta_chunk(delta, None, text.take_logprobs(), choice.index))
     if text.finish_reason is not None:
-        finish_reason = "tool_calls" if text.finish_reason == "stop" and choice.reply.num_calls else text.finish_reason
-        events.append(reply.delta_chunk(choice.reply.finish(), finish_reason, text.take_logprobs(), choice.index))
+        called = text.finish_reason == "stop" and streamed.num_calls
+        choice.finish_reason = streamed.finish_reason_with_calls if called else text.finish_reason
+        events.append(reply.delta_chunk(streamed.finish(), choice.finish_reason, text.take_logprobs(), choice.index))
     return events
 
 
@@ -689,8 +693,8 @@ class _RequestCounters:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
-            "spec_decode_requests", "generation requests by endpoint and finish reason (stop, length, error, abort: "
-            "the client went away); each of a request's n choices counts", ["endpoint", "finish_reason"], registry=registry,
+            "spec_decode_requests", "generation requests by endpoint and finish reason (stop, length, tool_calls, error, "
+            "abort: the client went away); each of a request's n choices counts", ["endpoint", "finish_reason"], registry=registry,
         )  # fmt: skip
         self.prompt_tokens = Counter("spec_decode_prompt_tokens", "prompt tokens of those requests", registry=registry)
         self.completion_tokens = Counter(

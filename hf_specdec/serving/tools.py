@@ -18,10 +18,11 @@
 
 Exactness is the engine's: the constrained output equals plain `generate()` with xgrammar's
 processor for the same schema. Tool calls come only from a complete reply (not one cut at
-max_tokens). Streamed under "auto", a reply goes through transformers' streaming `ResponseParser`
-(`StreamedReply`): content and reasoning are sent as the model writes them, each call once the
-model closes it. Required and named replies (JSON to parse whole), and "auto" ones with stop strings
-(cut on text, not tokens), come as one chunk when the choice finishes.
+max_tokens). Streamed (`StreamedReply`), an "auto" reply goes through transformers' streaming
+`ResponseParser`: content and reasoning are sent as the model writes them, each call once the model
+closes it; a named function's arguments are sent as written, as OpenAI streams them. "required"
+replies (a JSON array to parse whole), and "auto" ones with stop strings (cut on text, not tokens),
+come as one chunk when the choice finishes.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ class ToolCalling:
 
     @property
     def streams_calls(self) -> bool:
-        """Whether a streamed reply can be parsed as it comes ("auto": the model's own format)."""
-        return self.parses_calls and self.choice == "auto"
+        """Whether a streamed reply can be sent as it comes ("auto", a named function)."""
+        return self.parses_calls and self.choice != "required"
 
     @property
     def template_tools(self) -> list[dict] | None:
@@ -159,23 +160,40 @@ class ToolCalling:
 
 
 class StreamedReply:
-    """One streamed choice under tool_choice "auto": `feed(token_ids)` and, once it finished,
-    `finish()` give OpenAI's delta fields (content, reasoning_content, tool_calls indexed in order)."""
+    """One streamed choice under tool_choice "auto" or a named function: `feed(token_ids, text)` (the
+    new tokens and the new stable text) and, once it finished, `finish()` give OpenAI's delta fields
+    (content, reasoning_content, tool_calls indexed in order)."""
 
     def __init__(self, tools: ToolCalling, prompt_ids: list[int]) -> None:
+        self.tools, self.num_calls = tools, 0
+        # OpenAI's finish reason for a reply that called: "stop" where the call was forced
+        self.finish_reason_with_calls = "tool_calls" if tools.choice == "auto" else "stop"
+        if tools.choice != "auto":  # a named function: the reply is its arguments
+            return
         from transformers.utils.chat_parsing import ResponseParser
 
-        self.tools, self.num_calls = tools, 0
         # token ids where the tokenizer can decode them itself: special-token delimiters then match
         self.by_ids = getattr(tools.tokenizer, "is_fast", False)
         prefix = prompt_ids if self.by_ids else tools.tokenizer.decode(prompt_ids)
         tokenizer = tools.tokenizer if self.by_ids else None
         self.parser = ResponseParser(tools.template, prefix=prefix, tools=tools.tools, tokenizer=tokenizer)
 
-    def feed(self, token_ids: list[int]) -> dict:
+    def feed(self, token_ids: list[int], text: str) -> dict:
+        if self.tools.choice != "auto":
+            return self._arguments(text)
         return self._delta(self.parser.feed(token_ids if self.by_ids else self.tools.tokenizer.decode(token_ids)))
 
+    def _arguments(self, text: str) -> dict:
+        """A named function's arguments as written: the call (id, name) with the first piece, then pieces."""
+        if self.num_calls == 0 and text:
+            self.num_calls = 1
+            (call,) = _tool_calls([(self.tools.choice, text)])
+            return {"content": None, "tool_calls": [{"index": 0, **call}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+
     def finish(self) -> dict:
+        if self.tools.choice != "auto":
+            return {}
         try:
             return self._delta(self.parser.finalize()[1])
         except ValueError as error:  # a reply the format cannot close (cut short): what was sent stands
