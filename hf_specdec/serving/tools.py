@@ -93,7 +93,8 @@ class ToolCalling:
 
     @property
     def parses_calls(self) -> bool:
-        """Whether the reply is turned into tool calls (then it is sent whole, when it finishes)."""
+        """Whether the reply is turned into tool calls (streamed: as it comes where `streams_calls`,
+        else whole when it finishes)."""
         return self.choice != "none" and bool(self.tools)
 
     @property
