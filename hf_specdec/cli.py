@@ -178,7 +178,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the target's KV pool in blocks of the config's block_size (default: 2048 tokens per request row)",
     )
     serve.add_argument(
-        "--prefill-chunk-size", type=int, default=SERVE_PREFILL_CHUNK_SIZE,
+        "--prefill-chunk-size", type=_prefill_chunk_size, default=SERVE_PREFILL_CHUNK_SIZE,
         help="at most this many prompt tokens per engine step: a long prompt joins over several steps instead of "
         f"stalling the running requests (default {SERVE_PREFILL_CHUNK_SIZE}; 0: each prompt in one step)",
     )
@@ -204,6 +204,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--repeats", type=int, default=3, help="passes per route and row count; the fastest counts")
     return parser
+
+
+def _prefill_chunk_size(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"--prefill-chunk-size={value!r}: allowed: an integer >= 0 (0: off)")
+    return int(value)
 
 
 def _k(value: str) -> int | str:

@@ -609,16 +609,21 @@ def test_cli_serve(monkeypatch, capsys, tokenizer):
     )  # fmt: skip
     assert started["engine"].max_model_len == 256 and started["speculative_config"].num_speculative_tokens == 3
     assert started["engine"].cache.allocator.num_blocks == 40
+    assert started["engine"].prefill_chunk_size == 512  # serve's default: long prompts join in chunks
     assert started["engine_thread"] is False  # run_app drives the engine on the main thread
     assert "warning" not in capsys.readouterr().err
     monkeypatch.delenv("HF_SPECDEC_API_KEY")
-    main(["serve", "--model", "tiny", "--host", "0.0.0.0", "--port", "9001"])
+    main(["serve", "--model", "tiny", "--host", "0.0.0.0", "--port", "9001", "--prefill-chunk-size", "0"])
     assert (started["host"], started["port"], started["api_key"]) == ("0.0.0.0", 9001, None)
+    assert started["engine"].prefill_chunk_size is None  # 0: each prompt in one step
     assert started["speculative_config"] is None  # no drafting
     assert "without an API key" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a bad config fails before loading anything
         main(["serve", "--model", "tiny", "--speculative-config", '{"method": "nope"}'])
     assert "speculative_config.method='nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "tiny", "--prefill-chunk-size", "-5"])
+    assert "--prefill-chunk-size='-5': allowed: an integer >= 0 (0: off)" in capsys.readouterr().err
     # without the serve extra: what to install
     monkeypatch.setitem(sys.modules, "fastapi", None)
     for name in [name for name in sys.modules if name.startswith("hf_specdec.serving")]:
