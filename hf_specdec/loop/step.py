@@ -106,12 +106,7 @@ def speculative_step(
     if k_controller is not None and (len(chunk_rows) or ((state.seq_lens - state.pad_lens - state.num_cached)[rows] > 1).any()):
         k_controller.begin_call()  # a step feeding prompts, and the next (a drafter's catch-up), are not decode steps
     if not len(rows):  # every row is still feeding its prompt
-        if features is not None:
-            features.begin_forward()
-        chunks, chunk_positions = _chunk_segments(state, chunk_rows, chunk_lens)
-        input_ids, position_ids = to_device([np.concatenate(chunks), np.concatenate(chunk_positions)], model.device)
-        forward_tokens(model, cache, chunk_rows.tolist(), chunk_lens.tolist(), input_ids, position_ids, _NO_ROWS)
-        _fed_chunks(state, features, chunk_rows, chunk_lens, first=0)
+        _feed_chunks_alone(model, cache, state, features, chunk_rows, chunk_lens)
         return []
     seq_lens = state.seq_lens[rows]
 
@@ -149,23 +144,21 @@ def speculative_step(
     # prompt chunks of rows still feeding theirs ride after the rows above: no drafts, no logits
     chunks, chunk_positions = _chunk_segments(state, chunk_rows, chunk_lens)
     if trees is None:
-        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(state.num_cached[rows], segment_lens)])
+        positions = np.concatenate(
+            [*(np.arange(c, c + n) for c, n in zip(state.num_cached[rows], segment_lens)), *chunk_positions]
+        )
         tree_mask = None
-    else:
-        no_trees = [_NO_ROWS] * len(chunk_rows)
+    else:  # a chunk is a segment with no tree
         positions, tree_mask = tree_layout(
             np.concatenate([state.num_cached[rows], state.num_cached[chunk_rows]]), np.concatenate([num_pending, chunk_lens]),
-            trees + no_trees,
+            trees + [_NO_ROWS] * len(chunk_rows),
         )  # fmt: skip
-        positions = positions[: int(segment_lens.sum())]
     segment_ends = np.cumsum(segment_lens)
     # logits of the last pending token and of every draft: num_draft + 1 per row
     keep = np.concatenate([np.arange(end - n - 1, end) for end, n in zip(segment_ends, num_draft)])
     if features is not None:
         features.begin_forward()
-    input_ids, position_ids = to_device(
-        [np.concatenate(segments + chunks), np.concatenate([positions, *chunk_positions])], model.device
-    )
+    input_ids, position_ids = to_device([np.concatenate(segments + chunks), positions], model.device)
     logits = forward_tokens(
         model, cache, rows.tolist() + chunk_rows.tolist(), segment_lens.tolist() + chunk_lens.tolist(), input_ids,
         position_ids, keep, tree_mask=tree_mask,
@@ -294,6 +287,19 @@ def _chunk_segments(state: DecodeState, rows: np.ndarray, lens: np.ndarray) -> t
     tokens = [state.pending_tokens(int(row))[: int(n)].numpy() for row, n in zip(rows, lens)]
     positions = [np.arange(start, start + n) for start, n in zip(state.num_cached[rows], lens)]
     return tokens, positions
+
+
+def _feed_chunks_alone(
+    model: PreTrainedModel, cache: PagedKVCache, state: DecodeState, features: TargetFeatureCapture | None,
+    rows: np.ndarray, lens: np.ndarray,
+) -> None:  # fmt: skip
+    """A step in which every row only feeds a prompt chunk: one forward, no logits."""
+    if features is not None:
+        features.begin_forward()
+    tokens, positions = _chunk_segments(state, rows, lens)
+    input_ids, position_ids = to_device([np.concatenate(tokens), np.concatenate(positions)], model.device)
+    forward_tokens(model, cache, rows.tolist(), lens.tolist(), input_ids, position_ids, _NO_ROWS)
+    _fed_chunks(state, features, rows, lens, first=0)
 
 
 def _fed_chunks(
