@@ -191,7 +191,8 @@ class AutoKController:
         self._untimed_steps = UNTIMED_STEPS  # steps left whose time says nothing about decoding
 
     def begin_call(self) -> None:
-        """A generate() call starts (or a request joins): its first `UNTIMED_STEPS` steps are not timed."""
+        """A generate() call starts, or a step feeds prompts (`step.speculative_step`: a request joined,
+        or a prompt chunk): the next `UNTIMED_STEPS` steps, that one included, are not timed."""
         self._untimed_steps = UNTIMED_STEPS
 
     @property

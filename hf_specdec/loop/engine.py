@@ -429,12 +429,10 @@ class SpeculativeEngine:
 
         If the step raises, every running request ends with finish_reason "error" (the waiting ones stay).
         """
-        admitted = self._admit()
+        self._admit()
         if not self._running:
             self._release_model()
             return []
-        if admitted and self.k_controller is not None:
-            self.k_controller.begin_call()  # a step that feeds prompts says nothing about decoding speed
         started = time.perf_counter()
         try:
             # the emitted tokens' logits are gathered only for a step where some request reads them
@@ -478,9 +476,8 @@ class SpeculativeEngine:
                 tree_controller=self.tree_controller, keep_logits=keep_logits, prefill_chunk=self.prefill_chunk_size,
             )  # fmt: skip
 
-    def _admit(self) -> bool:
+    def _admit(self) -> None:
         """Start waiting requests, first come first served, while a row and their blocks are free."""
-        admitted = False
         free_rows = [row for row in range(self.max_batch_size) if row not in self._running]
         while self._waiting and free_rows:
             request = self._waiting[0]
@@ -501,8 +498,6 @@ class SpeculativeEngine:
             self._row_stops.by_row[row] = request.stop_checker
             self._running[row] = request
             self._reserved_blocks += request.num_blocks
-            admitted = True
-        return admitted
 
     def _finish_reason(self, request: _Request, row: int) -> str:
         tokens = self.state.tokens(row)
