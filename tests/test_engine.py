@@ -312,14 +312,17 @@ def test_requests_with_their_own_processors_match_plain_generate(model, method):
     assert engine.metrics.num_accepted_tokens > 0 and engine.num_kv_blocks_used == 0
 
 
-def test_sampled_requests_with_penalties_follow_the_exact_distribution():
+@pytest.mark.parametrize("prefill_chunk_size", [None, 3])
+def test_sampled_requests_with_penalties_follow_the_exact_distribution(prefill_chunk_size):
     """Sampled requests with OpenAI's penalties, drafted by the target itself (most positions sit
-    behind accepted drafts, which the penalties must count), against the exact distribution."""
+    behind accepted drafts, which the penalties must count), against the exact distribution; also
+    with the 8-token prompts fed 3 tokens a step."""
     small = hf_specdec.enable(build_small_vocab_llama())
     exact = exact_distribution(small, PENALTIES)
     engine = SpeculativeEngine(
-        small, {"method": "draft_model", "model": copy.deepcopy(small), "num_speculative_tokens": 3}, max_batch_size=64
-    )
+        small, {"method": "draft_model", "model": copy.deepcopy(small), "num_speculative_tokens": 3}, max_batch_size=64,
+        prefill_chunk_size=prefill_chunk_size,
+    )  # fmt: skip
     config = {"max_new_tokens": NEW_TOKENS, "do_sample": True, "pad_token_id": 0, "temperature": PENALTIES["temperature"]}
     for seed in range(3000):
         engine.add_request(PROMPT, config, seed=seed, logits_processor=PENALTIES["logits_processor"])
