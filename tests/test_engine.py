@@ -24,6 +24,7 @@ from conftest import (
     plain_generate,
     repeated_span_prompts,
 )
+from test_architectures import image_prompts, tiny_gemma3_vlm
 from test_draft_model import perturbed_copy
 from test_eagle import random_head
 from test_sampling_distribution import (
@@ -196,6 +197,41 @@ def test_other_architectures_joining_mid_flight_match_plain_generate(model_type)
     outputs = _run(engine, arrivals)
     assert [o[-1].token_ids for o in outputs.values()] == [_alone(other, p, n) for p, n in zip(prompts, lengths)]
     assert engine.metrics.num_accepted_tokens > 0 and engine.num_kv_blocks_used == 0
+
+
+@pytest.mark.parametrize(("method", "prefill_chunk_size"), [("ngram", None), ("ngram", 5), ("eagle3", None)])
+def test_image_requests_joining_mid_flight_match_plain_generate(method, prefill_chunk_size):
+    """Requests with images (`model_inputs`) are prefilled by the model's own forward as they join, one
+    of them while the other rows decode on the paged attention; each equals plain generate() alone."""
+    model = tiny_gemma3_vlm()
+    batch = image_prompts()
+    prompts = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    prompts.append(repeated_span_prompts(1, seed=4)[0])  # text only
+    inputs = [{"pixel_values": batch["pixel_values"][i : i + 1], "token_type_ids": (torch.tensor([p]) == 299).long()}
+              for i, p in enumerate(prompts[:2])] + [None]  # fmt: skip
+    expected = [
+        plain_generate(model, input_ids=torch.tensor([p]), **(extra or {}), max_new_tokens=20, do_sample=False)[
+            0, len(p) :
+        ].tolist()
+        for p, extra in zip(prompts, inputs)
+    ]
+    config = ngram_config(k=3) if method == "ngram" else {
+        "method": "eagle3", "model": hf_specdec.EagleHead.for_target(model, "eagle3", seed=0), "num_speculative_tokens": 2,
+    }  # fmt: skip
+    engine = SpeculativeEngine(model, config, max_batch_size=3, prefill_chunk_size=prefill_chunk_size)
+    order = [2, 0, 1]  # the text request first, an image request at once, the other two steps later
+    ids, finished = {}, {}
+    for step in range(200):
+        for i in {0: order[:2], 2: order[2:]}.get(step, []):
+            ids[engine.add_request(prompts[i], {"max_new_tokens": 20, "do_sample": False}, model_inputs=inputs[i])] = i
+        for output in engine.step():
+            if output.finished:
+                finished[ids[output.request_id]] = output.token_ids
+        if step >= 2 and not engine.has_unfinished():
+            break
+    assert [finished[i] for i in range(3)] == expected
+    assert engine.metrics.num_draft_tokens > 0 and engine.num_kv_blocks_used == 0
+    assert model.config.text_config._attn_implementation != ATTENTION_NAME
 
 
 def test_aborts_free_every_block_and_drafter_row(model):

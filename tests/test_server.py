@@ -401,6 +401,10 @@ def test_bad_chat_requests_and_bad_json(server):
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_completion_tokens"
     response = post({"messages": []})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    response = post({"messages": [{"role": "user", "content": "w5"}, {"role": "user", "content": [image]}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages[1].content"
+    assert "takes no images" in response.json()["error"]["message"]
     response = post({"messages": [{"role": "user", "content": "w5"}], "top_logprobs": 2})
     assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
     assert "allowed only with logprobs=true" in response.json()["error"]["message"]
@@ -587,11 +591,13 @@ def test_cli_serve(monkeypatch, capsys, tokenizer):
 
     started = {}
     monkeypatch.setattr(server_module, "load_target", lambda name, dtype, device: (build_tiny_llama(), tokenizer))
+    monkeypatch.setattr(server_module, "load_image_processor", lambda name: None)  # a text model
     monkeypatch.setattr(server_module, "run_app", lambda app, host, port: started.update(host=host, port=port))
 
-    def spy_build_app(engine, tokenizer, model_name, api_key=None, engine_thread=True):
-        started.update(engine=engine, model_name=model_name, api_key=api_key, engine_thread=engine_thread)
-        return build_app(engine, tokenizer, model_name, api_key, engine_thread)
+    def spy_build_app(engine, tokenizer, model_name, api_key=None, engine_thread=True, processor=None):
+        started.update(engine=engine, model_name=model_name, api_key=api_key, engine_thread=engine_thread,
+                       processor=processor)  # fmt: skip
+        return build_app(engine, tokenizer, model_name, api_key, engine_thread, processor)
 
     def spy_engine(model, speculative_config, **options):
         started.update(speculative_config=speculative_config)

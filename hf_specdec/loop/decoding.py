@@ -21,7 +21,7 @@ from ..cache.architectures import check_architecture
 from ..config import SpeculativeConfig
 from ..sampling.grammar import with_speculative_grammars
 from ..sampling.logits_processing import StopChecker, check_supported_processors
-from .engine import ASSISTED_OPTIONS, SpeculativeEngine
+from .engine import ASSISTED_OPTIONS, ENGINE_INPUTS, SpeculativeEngine
 from .metrics import SpecDecodeMetrics
 from .prefill import check_model_prefill, prefill_with_model
 from .step import DecodeState, SamplingState
@@ -120,18 +120,12 @@ def generate(
     )
 
 
-# what transformers' generate() hands a custom_generate callable besides the user's inputs
-_MODEL_KWARGS_WE_HANDLE = frozenset(
-    {"attention_mask", "position_ids", "logits_to_keep", "cache", "past_key_values", "use_cache", "cache_position"}
-)
-
-
 def _prefill_inputs(model_kwargs: dict) -> dict:
     """Inputs besides the tokens (images as `mm_encoder_outputs`, `token_type_ids`, ...): the model's own
     prefill consumes them (`prefill.py`), as plain generate() uses them in its first step only."""
     return {
         k: v for k, v in model_kwargs.items()
-        if k not in _MODEL_KWARGS_WE_HANDLE and v is not None and not (isinstance(v, (dict, list, tuple)) and not v)
+        if k not in ENGINE_INPUTS and v is not None and not (isinstance(v, (dict, list, tuple)) and not v)
     }
 
 

