@@ -199,7 +199,7 @@ def test_other_architectures_joining_mid_flight_match_plain_generate(model_type)
     assert engine.metrics.num_accepted_tokens > 0 and engine.num_kv_blocks_used == 0
 
 
-@pytest.mark.parametrize(("method", "prefill_chunk_size"), [("ngram", None), ("ngram", 5), ("eagle3", None)])
+@pytest.mark.parametrize(("method", "prefill_chunk_size"), [("ngram", None), ("ngram_auto_k", 5), ("eagle3", None)])
 def test_image_requests_joining_mid_flight_match_plain_generate(method, prefill_chunk_size):
     """Requests with images (`model_inputs`) are prefilled by the model's own forward as they join, one
     of them while the other rows decode on the paged attention; each equals plain generate() alone."""
@@ -215,7 +215,7 @@ def test_image_requests_joining_mid_flight_match_plain_generate(method, prefill_
         ].tolist()
         for p, extra in zip(prompts, inputs)
     ]
-    config = ngram_config(k=3) if method == "ngram" else {
+    config = ngram_config(k=3 if method == "ngram" else "auto") if method != "eagle3" else {
         "method": "eagle3", "model": hf_specdec.EagleHead.for_target(model, "eagle3", seed=0), "num_speculative_tokens": 2,
     }  # fmt: skip
     engine = SpeculativeEngine(model, config, max_batch_size=3, prefill_chunk_size=prefill_chunk_size)

@@ -547,6 +547,8 @@ class SpeculativeEngine:
                 rows=[row],
             )  # fmt: skip
         self.state.num_cached[row] = int(cached[0])
+        if self.k_controller is not None:  # the next steps carry the drafter's catch-up: not decode steps
+            self.k_controller.begin_call()
 
     def _finish_reason(self, request: _Request, row: int) -> str:
         tokens = self.state.tokens(row)
