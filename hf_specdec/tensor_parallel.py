@@ -10,16 +10,16 @@ with different token counts, wait on each other forever. So:
 - `check_ranks_agree`: before each forward of a sharded model, the ranks compare a digest of its
   tokens and positions, and all raise the same error when they differ (different prompts,
   generation options or seeds reach the forward after at most one step);
-- `check_speculative_config`: choices timed on each rank (`num_speculative_tokens="auto"`,
-  `tree="auto"`) are refused: each rank would time its own steps and choose its own k or tree.
+- `agreed_seconds`: choices made from timings (`num_speculative_tokens="auto"`, `tree="auto"`)
+  would part the ranks, each timing its own steps. Every other input of those choices (acceptance,
+  rows, step counts) is the same on every rank, so the ranks agree on each step's time, the
+  slowest rank's, and the controllers choose alike.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from .config import SpeculativeConfig
 
 
 def tensor_parallel_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
@@ -29,21 +29,15 @@ def tensor_parallel_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
     return model._device_mesh.get_group("tp")
 
 
-def check_speculative_config(config: SpeculativeConfig, target: torch.nn.Module) -> None:
-    """ValueError for the settings a tensor-parallel `target` cannot run (see the module doc)."""
-    if tensor_parallel_group(target) is None:
-        return
-    timed = [
-        name for name, on in (
-            ("num_speculative_tokens='auto'", config.auto_k),
-            ("tree='auto'", config.tree is not None and config.tree.auto),
-        ) if on
-    ]  # fmt: skip
-    if timed:
-        raise ValueError(
-            f"speculative_config.{timed[0]} is not supported on a tensor-parallel target: each rank would time its "
-            "own steps and choose differently, and the ranks' forwards would part; set a fixed size"
-        )
+def agreed_seconds(model: torch.nn.Module, seconds: float) -> float:
+    """A step's time as every rank of a tensor-parallel `model` takes it: the slowest rank's (see the
+    module doc). `seconds` itself for other models. Call it on every rank for the same step."""
+    group = tensor_parallel_group(model)
+    if group is None:
+        return seconds
+    value = torch.tensor([seconds], dtype=torch.float64, device=model.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return float(value.item())
 
 
 def check_ranks_agree(group: dist.ProcessGroup, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:

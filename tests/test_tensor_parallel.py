@@ -177,12 +177,20 @@ def test_one_kv_head_with_unit_colwise_keys_and_values(launch):
 
 
 @pytest.mark.parametrize("check", ["generate_auto_k", "engine_auto_tree"])
-def test_choices_timed_per_rank_are_refused(launch, check):
-    _, results = launch
-    for rank, result in enumerate(results):
-        error = result["refused"][check].get("error")
-        assert error is not None and error.startswith("ValueError: speculative_config."), f"rank {rank}: {error}"
-        assert "tensor-parallel target" in error and "'auto'" in error
+def test_choices_timed_per_rank_agree(launch, check):
+    """Auto k (generate) and auto trees (engine) with rank 1's clock running 3x slow: the ranks take
+    the slowest rank's time for each step, so their controllers record the same seconds and make the
+    same choices, and the tokens are one process's."""
+    case, results = launch
+    runs = [_value(result["timed_choices"][check], rank, check) for rank, result in enumerate(results)]
+    assert runs[0]["steps"] == runs[1]["steps"] and len(runs[0]["steps"]) > 3
+    assert len({choice for _, choice in runs[0]["steps"]}) > 1 or check == "engine_auto_tree"
+    for rank, run in enumerate(runs):
+        if check == "generate_auto_k":
+            assert run["sequences"] == case["reference"], f"rank {rank}"
+        else:
+            for request in case["engine_requests"]:
+                assert run["requests"][request["id"]]["token_ids"] == request["reference"], f"rank {rank}"
 
 
 @pytest.mark.parametrize("check", ["prompts", "seeds"])

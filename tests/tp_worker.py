@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,10 @@ from transformers.distributed import DistributedConfig
 
 import hf_specdec
 from hf_specdec.drafters.draft_model import load_draft_model
+from hf_specdec.loop.auto_k import AutoKController
+from hf_specdec.loop.auto_tree import AutoTreeController
 from hf_specdec.models.cpu_linear import resolve_backend
+from hf_specdec.profiling import StepTimer
 
 # a rank that fails alone leaves the other waiting in a collective: give up after this, not after hours
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
@@ -58,14 +62,14 @@ def main(case_path: Path) -> None:
         name: run_check(lambda name=name: engine_requests(target, case["drafters"][name], case["engine_requests"]))
         for name in case["engine"]
     }
-    result["refused"] = {
-        "generate_auto_k": run_check(lambda: target.generate(
-            **inputs, max_new_tokens=4, do_sample=False,
-            speculative_config={"method": "ngram", "num_speculative_tokens": "auto"},
-        )),  # fmt: skip
-        "engine_auto_tree": run_check(lambda: hf_specdec.SpeculativeEngine(
-            target, {"method": "ngram", "num_speculative_tokens": 3, "tree": "auto"}, max_batch_size=2
-        )),  # fmt: skip
+    ngram = case["drafters"]["ngram"]
+    result["timed_choices"] = {
+        "generate_auto_k": run_check(lambda: timed_choices(rank, AutoKController, lambda: greedy(
+            target, inputs, case["max_new_tokens"], {**ngram, "num_speculative_tokens": "auto"}
+        ))),  # fmt: skip
+        "engine_auto_tree": run_check(lambda: timed_choices(rank, AutoTreeController, lambda: engine_requests(
+            target, {**ngram, "num_speculative_tokens": 3, "tree": "auto"}, case["engine_requests"]
+        ))),  # fmt: skip
     }
     result["disagreeing"] = {
         "prompts": run_check(lambda: disagreeing_prompts(target, inputs, rank)),
@@ -160,6 +164,24 @@ def engine_requests(model, config: dict, requests: list[dict]) -> dict:
     pool_kv_heads = engine.cache.layers[0].keys.shape[2]  # [blocks, block_size, heads, head_dim]
     engine.close()
     return {"requests": finished, "pool_kv_heads": pool_kv_heads, "draft_tokens": engine.metrics.num_draft_tokens}
+
+
+def timed_choices(rank: int, controller: type, run: Callable[[], dict]) -> dict:
+    """`run` (auto k or auto trees) with rank 1's clock running 3x slow; its result, and each step the
+    controller recorded: (seconds, k or tree size)."""
+    steps = []
+    elapsed, record_step = StepTimer.elapsed, controller.record_step
+
+    def slow_clock(timer: StepTimer) -> float:
+        return elapsed(timer) * (3 if rank == 1 else 1)
+
+    def recorded(self, *args):
+        seconds, choice = (args[0], args[1]) if controller is AutoKController else (args[2], args[1])
+        steps.append((seconds, choice))
+        return record_step(self, *args)
+
+    with patch.object(StepTimer, "elapsed", slow_clock), patch.object(controller, "record_step", recorded):
+        return {**run(), "steps": steps}
 
 
 def disagreeing_prompts(model, inputs: dict, rank: int) -> str:

@@ -8,7 +8,6 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
 from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
-from ..tensor_parallel import check_speculative_config
 from .base import DraftProposal, Proposer, ProposeRequest
 from .draft_model import DraftModelProposer, check_draft_compatible, load_draft_model
 from .drafting import DraftSampling
@@ -47,7 +46,6 @@ def build_proposer(
     `target_cache`: the loop's `PagedKVCache` for the target, which layer_skip drafts on (required
     there, unused by the other drafters).
     """
-    check_speculative_config(config, target_model)  # generate() and the engine both build their drafter here
     if config.method == "ngram":
         return NgramProposer(
             config.max_draft_tokens, config.prompt_lookup_min, config.prompt_lookup_max, tree=config.tree

@@ -30,6 +30,7 @@ from ..sampling.metadata import SpecDecodeMetadata
 from ..sampling.rejection_sampler import draw_random, rejection_sample
 from ..sampling.tree import tree_depths
 from ..sampling.tree_acceptance import accept_tree
+from ..tensor_parallel import agreed_seconds
 from ..transfer import to_device
 from .auto_k import AutoKController
 from .auto_tree import AutoTreeController
@@ -253,10 +254,12 @@ def speculative_step(
         release_rows(state, cache, proposer, features, rows[stopped].tolist())
     timer.lap("emit")
     timer.finish(fed_prompt=bool(num_pending.max() > 1 or len(chunk_rows)))
+    if k_controller is not None or tree_controller is not None:
+        seconds = agreed_seconds(model, timer.elapsed())  # tensor-parallel ranks choose alike
     if tree_controller is not None and num_draft.any() and num_pending.max() == 1 and not len(chunk_rows):  # no prefill
-        tree_controller.record_step(len(rows), tree_size, timer.elapsed(), int(num_kept.sum()))
+        tree_controller.record_step(len(rows), tree_size, seconds, int(num_kept.sum()))
     if k_controller is not None:
-        k_controller.record_step(timer.elapsed(), k, spec.num_draft_tokens, num_accepted.tolist())
+        k_controller.record_step(seconds, k, spec.num_draft_tokens, num_accepted.tolist())
     return emitted
 
 
