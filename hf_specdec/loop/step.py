@@ -21,7 +21,7 @@ from transformers import LogitsProcessorList, PreTrainedModel
 from ..cache.forward import forward_tokens
 from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
-from ..drafters import Proposer, ProposeRequest
+from ..drafters import DraftProposal, Proposer, ProposeRequest
 from ..models.feature_capture import TargetFeatureCapture
 from ..profiling import StepTimer
 from ..sampling.grammar import cut_forbidden_drafts
@@ -143,17 +143,8 @@ def speculative_step(
     segments = [np.concatenate([p.numpy(), d]) for p, d in zip(pending, proposal.draft_token_ids)]
     segment_lens = num_pending + num_draft
     # prompt chunks of rows still feeding theirs ride after the rows above: no drafts, no logits
-    chunks, chunk_positions = _chunk_segments(state, chunk_rows, chunk_lens)
-    if trees is None:
-        positions = np.concatenate(
-            [*(np.arange(c, c + n) for c, n in zip(state.num_cached[rows], segment_lens)), *chunk_positions]
-        )
-        tree_mask = None
-    else:  # a chunk is a segment with no tree
-        positions, tree_mask = tree_layout(
-            np.concatenate([state.num_cached[rows], state.num_cached[chunk_rows]]), np.concatenate([num_pending, chunk_lens]),
-            trees + [_NO_ROWS] * len(chunk_rows),
-        )  # fmt: skip
+    chunks, _ = _chunk_segments(state, chunk_rows, chunk_lens)
+    positions, tree_mask = _verify_positions(state, rows, num_pending, segment_lens, trees, chunk_rows, chunk_lens)
     segment_ends = np.cumsum(segment_lens)
     # logits of the last pending token and of every draft: num_draft + 1 per row
     keep = np.concatenate([np.arange(end - n - 1, end) for end, n in zip(segment_ends, num_draft)])
@@ -169,40 +160,13 @@ def speculative_step(
     metrics.verify_seconds += timer.lap("verify")
 
     # 3. sample: processors see, at each position, the prefix plain generate would have had
-    logits_rows = np.repeat(rows, num_draft + 1)  # the batch row of each logits row
-    if not logits_processor:
-        processed = logits
-    elif trees is None:
-        for row, start, drafts in zip(rows, seq_lens, proposal.draft_token_ids):
-            state.token_buffer[row, start : start + len(drafts)] = torch.from_numpy(drafts)
-        prefix_lens = np.repeat(seq_lens, num_draft + 1) + _offsets_within(num_draft + 1)
-        processed = process_logits(logits_processor, logits, state.token_buffer, logits_rows, prefix_lens)
-    else:
-        node_buffer, node_rows, prefix_lens = tree_prefixes(state, rows, proposal.draft_token_ids, trees)
-        processed = process_logits(logits_processor, logits, node_buffer, node_rows, prefix_lens, batch_rows=logits_rows)
+    processed = _processed_logits(logits_processor, logits, state, rows, proposal.draft_token_ids, trees)
     metrics.sampler_seconds += timer.lap("logits_processing")
-    generators = [sampling.generators[r] for r in rows]
-    draws = None if all(g is None for g in generators) else draw_random(generators, spec, logits.shape[-1], logits.device)
-    is_greedy = sampling.is_greedy[to_device([rows], model.device)[0]]
-    if trees is None:
-        output_tokens, num_accepted = rejection_sample(
-            spec, processed, is_greedy, draws=draws, draft_probs=proposal.draft_probs, method=config.rejection_sample_method
-        )
-        accepted_nodes = None
-    else:
-        output_tokens, num_accepted, accepted_nodes = accept_tree(spec, trees, processed, is_greedy, draws=draws)
+    output_tokens, num_accepted, accepted_nodes = _accept(spec, processed, proposal, sampling, rows, config)
     metrics.sampler_seconds += timer.lap("sampling")
 
-    # 4. emit, stop, roll back; the step's one device-to-host transfer (a sync on GPUs)
-    results = [num_accepted[:, None].to(output_tokens.dtype), output_tokens]
-    if accepted_nodes is not None:
-        results.append(accepted_nodes.to(output_tokens.dtype))
-    results = torch.cat(results, dim=1).cpu()
-    num_accepted, output_tokens = results[:, 0].numpy(), results[:, 1 : 1 + output_tokens.shape[1]]
-    # per row, the drafts accepted, in order: a chain's first ones, or a tree's accepted path
-    paths = [np.arange(a) for a in num_accepted] if accepted_nodes is None else [
-        results[i, 1 + output_tokens.shape[1] :][: num_accepted[i]].numpy() for i in range(len(rows))
-    ]
+    # 4. emit, stop, roll back
+    num_accepted, output_tokens, paths = _to_host(num_accepted, output_tokens, accepted_nodes)
     for i, row in enumerate(rows):
         state.token_buffer[row, seq_lens[i] : seq_lens[i] + num_accepted[i] + 1] = output_tokens[i, : num_accepted[i] + 1]
     num_kept, stopped = stop_checker.first_stop(state.token_buffer, rows, seq_lens, num_accepted + 1, max_lengths)
@@ -212,17 +176,8 @@ def speculative_step(
     )
     metrics.num_emitted_tokens += int(num_kept.sum())
 
-    # the logits of each emitted token, when asked for: at the row's root, then at each accepted draft
-    # (consecutive for a chain), gathered for every row at once (at batch 8, k = 8 and a 152k
-    # vocabulary these two copies were 27 ms of a 2 s step on CPU, so never when nobody reads them)
-    raw_kept = processed_kept = None
-    if keep_logits:
-        first_logit = np.cumsum(num_draft + 1) - (num_draft + 1)
-        emitted_logits = np.concatenate(
-            [first + np.concatenate([[0], path + 1])[:kept] for first, path, kept in zip(first_logit, paths, num_kept)]
-        )
-        (emitted_index,) = to_device([emitted_logits], logits.device)
-        raw_kept, processed_kept = logits[emitted_index], processed[emitted_index]
+    # the emitted tokens' logits only when asked for (at batch 8, k = 8 and a 152k vocabulary: 27 ms of a 2 s CPU step)
+    raw_kept, processed_kept = _emitted_logits(logits, processed, num_draft, paths, num_kept) if keep_logits else (None, None)
     emitted_start = np.cumsum(num_kept) - num_kept
     emitted, moves = [], []
     for i, row in enumerate(rows):
@@ -340,6 +295,89 @@ def drafter_networks(proposer) -> list[torch.nn.Module]:
         elif hasattr(part, "propose"):
             found.extend(drafter_networks(part))
     return found
+
+
+def _verify_positions(
+    state: DecodeState, rows: np.ndarray, num_pending: np.ndarray, segment_lens: np.ndarray,
+    trees: list[np.ndarray] | None, chunk_rows: np.ndarray, chunk_lens: np.ndarray,
+) -> tuple[np.ndarray, torch.Tensor | None]:  # fmt: skip
+    """The position of every token of the verify forward (the rows' segments, then the prompt chunks),
+    and for draft trees the mask letting each node see only its ancestors (`tree_layout`)."""
+    if trees is None:
+        starts = np.concatenate([state.num_cached[rows], state.num_cached[chunk_rows]])
+        return np.concatenate([np.arange(c, c + n) for c, n in zip(starts, np.concatenate([segment_lens, chunk_lens]))]), None
+    return tree_layout(  # a chunk is a segment with no tree
+        np.concatenate([state.num_cached[rows], state.num_cached[chunk_rows]]), np.concatenate([num_pending, chunk_lens]),
+        trees + [_NO_ROWS] * len(chunk_rows),
+    )  # fmt: skip
+
+
+def _processed_logits(
+    logits_processor: LogitsProcessorList, logits: torch.Tensor, state: DecodeState, rows: np.ndarray,
+    draft_token_ids: list[np.ndarray], trees: list[np.ndarray] | None,
+) -> torch.Tensor:  # fmt: skip
+    """The verify logits through the processors, each position seeing the prefix plain generate()
+    would have had there: the row's tokens and the drafts before it (a tree node: its path)."""
+    if not logits_processor:
+        return logits
+    num_logits = np.array([len(d) for d in draft_token_ids], dtype=np.int64) + 1
+    logits_rows = np.repeat(rows, num_logits)  # the batch row of each logits row
+    if trees is not None:
+        node_buffer, node_rows, prefix_lens = tree_prefixes(state, rows, draft_token_ids, trees)
+        return process_logits(logits_processor, logits, node_buffer, node_rows, prefix_lens, batch_rows=logits_rows)
+    seq_lens = state.seq_lens[rows]
+    for row, start, drafts in zip(rows, seq_lens, draft_token_ids):
+        state.token_buffer[row, start : start + len(drafts)] = torch.from_numpy(drafts)
+    prefix_lens = np.repeat(seq_lens, num_logits) + _offsets_within(num_logits)
+    return process_logits(logits_processor, logits, state.token_buffer, logits_rows, prefix_lens)
+
+
+def _accept(
+    spec: SpecDecodeMetadata, processed: torch.Tensor, proposal: DraftProposal, sampling: SamplingState, rows: np.ndarray,
+    config: SpeculativeConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Greedy rows accept drafts equal to the argmax, sampled rows by rejection sampling (its random
+    numbers drawn from each row's generator): (output tokens, drafts accepted, a tree's accepted nodes)."""
+    generators = [sampling.generators[r] for r in rows]
+    device = processed.device
+    draws = None if all(g is None for g in generators) else draw_random(generators, spec, processed.shape[-1], device)
+    is_greedy = sampling.is_greedy[to_device([rows], device)[0]]
+    if proposal.draft_parents is not None:
+        return accept_tree(spec, proposal.draft_parents, processed, is_greedy, draws=draws)
+    output_tokens, num_accepted = rejection_sample(
+        spec, processed, is_greedy, draws=draws, draft_probs=proposal.draft_probs, method=config.rejection_sample_method
+    )
+    return output_tokens, num_accepted, None
+
+
+def _to_host(
+    num_accepted: torch.Tensor, output_tokens: torch.Tensor, accepted_nodes: torch.Tensor | None
+) -> tuple[np.ndarray, torch.Tensor, list[np.ndarray]]:
+    """The sampler's results on the host in one transfer (the step's one sync on GPUs): per row the
+    drafts accepted, the output tokens, and the accepted drafts' indices in order (a chain's first
+    ones, or a tree's accepted path)."""
+    results = [num_accepted[:, None].to(output_tokens.dtype), output_tokens]
+    if accepted_nodes is not None:
+        results.append(accepted_nodes.to(output_tokens.dtype))
+    results = torch.cat(results, dim=1).cpu()
+    width = output_tokens.shape[1]
+    num_accepted, output_tokens = results[:, 0].numpy(), results[:, 1 : 1 + width]
+    if accepted_nodes is None:
+        return num_accepted, output_tokens, [np.arange(a) for a in num_accepted]
+    return num_accepted, output_tokens, [results[i, 1 + width :][:a].numpy() for i, a in enumerate(num_accepted)]
+
+
+def _emitted_logits(
+    logits: torch.Tensor, processed: torch.Tensor, num_draft: np.ndarray, paths: list[np.ndarray], num_kept: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw and processed logits of each emitted token, for every row at once: at the row's root,
+    then at each accepted draft (consecutive for a chain)."""
+    first_logit = np.cumsum(num_draft + 1) - (num_draft + 1)
+    emitted = np.concatenate(
+        [first + np.concatenate([[0], path + 1])[:kept] for first, path, kept in zip(first_logit, paths, num_kept)]
+    )
+    (index,) = to_device([emitted], logits.device)
+    return logits[index], processed[index]
 
 
 def _offsets_within(lengths: np.ndarray) -> np.ndarray:
