@@ -440,6 +440,40 @@ def test_image_prompt_prefilled_by_the_model_then_speculated(drafter):
     assert out.spec_metrics["num_draft_tokens"] > 0
 
 
+def test_llava_image_prompts_with_draft_chains_and_trees():
+    """Llava (a CLIP tower whose 17 features replace the image tokens, a Llama over them): a model
+    transformers lists only as image-text-to-text. Draft trees work on it (no sliding window), in
+    generate() and in the engine, which prefills the request's image with the model's own forward."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+    )
+    config = LlavaConfig(
+        text_config=LlamaConfig(**dict(TINY, vocab_size=300), num_hidden_layers=2), vision_config=vision,
+        image_token_index=299,
+        vision_feature_layer=-1, vision_feature_select_strategy="full",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    prompt = [2, 5, 6, *[299] * 17, 7, 8, 9, 10, 11, 7, 8, 9]
+    image = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)) + 1
+    inputs = {"input_ids": torch.tensor([prompt]), "pixel_values": image}
+    plain = plain_generate(model, **inputs, max_new_tokens=20, do_sample=False)
+    other = plain_generate(model, **{**inputs, "pixel_values": -image}, max_new_tokens=20, do_sample=False)
+    assert not torch.equal(plain, other), "the image does not change the output"
+    for tree in (None, {"num_nodes": 8, "topk": 2}):
+        config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "tree": tree}
+        out = speculate(model, {**inputs, "attention_mask": torch.ones(1, len(prompt), dtype=torch.long)}, 20, **config)
+        assert torch.equal(out.sequences, plain) and out.spec_metrics["num_accepted_tokens"] > 0, tree
+    engine = hf_specdec.SpeculativeEngine(model, config, max_batch_size=2)
+    request_id = engine.add_request(prompt, {"max_new_tokens": 20, "do_sample": False}, model_inputs={"pixel_values": image})
+    outputs = [output for _ in range(40) for output in engine.step()]
+    assert outputs[-1].request_id == request_id and outputs[-1].finished
+    assert outputs[-1].token_ids == plain[0, len(prompt) :].tolist() and engine.num_kv_blocks_used == 0
+
+
 def test_image_inputs_refused_where_positions_are_not_token_counts():
     """M-RoPE models (Qwen2-VL and its kind) place text after an image at offset 3-D positions."""
     from hf_specdec.loop.prefill import check_model_prefill
