@@ -373,3 +373,17 @@ def test_tree_arm_per_depth_accepts_the_chains_tokens(bench):
     assert tree["tree"]["num_nodes"] == 3 + 6 + 6 and tree["expected_tokens_per_step"] == pytest.approx(
         bench.expected_tokens(0.7, 3)
     )
+
+
+def test_serving_figure_cpu_smoke():
+    """benchmarks/bench_serve_gpu.py --cpu-smoke: requests joining a running engine with the oracle
+    drafter and without; every request's tokens are plain generate()'s, and the oracle's drafts are
+    accepted (what the GPU run relies on)."""
+    results = load_benchmark("bench_serve_gpu").main(["--cpu-smoke", "--repeats", "1"])
+    assert results["mode"] == "cpu-smoke" and set(results["levels"]) == {"1", "4"}
+    for level in results["levels"].values():
+        for arm in ("off", "oracle"):
+            assert level[arm]["requests"] == results["settings"]["requests_per_run"]
+            assert level[arm]["divergent_from_plain_generate"] == 0
+            assert level[arm]["ttft_ms_p50"] > 0 and level[arm]["tpot_ms_p95"] >= level[arm]["tpot_ms_p50"]
+        assert level["tau"] > 1.5  # alpha 0.8, k 4: about 3 tokens a step
