@@ -120,6 +120,8 @@ def test_chat_with_an_image_is_plain_generate_on_the_processors_inputs(served, c
     chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=24,
                                                  stream=True))  # fmt: skip
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == expected
+    two = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=24, n=2)
+    assert [choice.message.content for choice in two.choices] == [expected, expected]  # each choice prefilled
 
 
 def test_image_and_text_requests_at_once_each_match_plain_generate(served, client):
