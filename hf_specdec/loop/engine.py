@@ -597,8 +597,8 @@ class SpeculativeEngine:
         """Paged attention and the CPU linears' routes on, kept on across steps (switching them costs
         ~1% of a step) until the engine is idle."""
         self.hold_capture()
-        if self._decoding is None:
-            self._decoding = self._held.enter_context(contextlib.ExitStack())
+        if self._decoding is None:  # closed before `_held` (entered after it), never held by it: it may pause
+            self._decoding = contextlib.ExitStack()
             self._decoding.enter_context(use_paged_attention(self.model))
             if self._fast_linears is not None:
                 self._decoding.enter_context(self._fast_linears())
@@ -610,9 +610,10 @@ class SpeculativeEngine:
             self._decoding = None
 
     def _release_model(self) -> None:
+        self._pause_decoding()
         if self._held is not None:
             self._held.close()
-        self._held, self.features, self._decoding = None, None, None
+        self._held, self.features = None, None
 
     def close(self) -> None:
         """Abort every request and give the model back as it was."""
