@@ -167,7 +167,6 @@ def build_app(
             tools = await asyncio.to_thread(ToolCalling, *arguments) if body.tools else ToolCalling(*arguments)
         except ToolRequestError as error:
             raise APIError(400, str(error), error.param) from None
-        messages = [_template_message(message) for message in body.messages]
         model_inputs = None
         if any(message.images for message in body.messages):
             _check_takes_images(processor, body.messages, model_name)
@@ -175,6 +174,7 @@ def build_app(
                 image_prompt, processor, body.messages, tools.template_tools, engine.model
             )
         else:
+            messages = [_template_message(message) for message in body.messages]
             text = tokenizer.apply_chat_template(messages, tools=tools.template_tools, add_generation_prompt=True,
                                                  tokenize=False)  # fmt: skip
             prompt_ids = tokenizer(text, add_special_tokens=False).input_ids  # the template has them
