@@ -234,6 +234,26 @@ def test_image_requests_joining_mid_flight_match_plain_generate(method, prefill_
     assert model.config.text_config._attn_implementation != ATTENTION_NAME
 
 
+def test_with_chunked_prefill_one_image_prompt_joins_per_step():
+    """A burst of image requests: with `prefill_chunk_size` each step admits one (the running rows wait
+    for one image prefill at a time); without it, every one that fits joins at once."""
+    model = tiny_gemma3_vlm()
+    batch = image_prompts()
+    prompt = batch["input_ids"][1].tolist()
+    inputs = {"pixel_values": batch["pixel_values"][1:], "token_type_ids": (torch.tensor([prompt]) == 299).long()}
+    running = {}
+    for chunk in (None, 64):
+        engine = SpeculativeEngine(model, ngram_config(k=3), max_batch_size=4, prefill_chunk_size=chunk)
+        for _ in range(3):
+            engine.add_request(prompt, {"max_new_tokens": 24, "do_sample": False}, model_inputs=inputs)
+        running[chunk] = []
+        while engine.has_unfinished():
+            engine.step()
+            running[chunk].append(engine.num_running)
+        assert engine.num_kv_blocks_used == 0
+    assert running[None][0] == 3 and running[64][:3] == [1, 2, 3]
+
+
 def test_aborts_free_every_block_and_drafter_row(model):
     config = {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3}
     engine = SpeculativeEngine(model, config, max_batch_size=4)

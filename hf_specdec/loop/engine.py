@@ -284,7 +284,8 @@ class SpeculativeEngine:
         processor, ...); a processor reading `input_ids` sees the prompt from column 0. `model_inputs`:
         the prompt's other inputs for an image-text-to-text model, as its processor returns them
         (`pixel_values`, `token_type_ids`, ...): the model's own forward prefills such a prompt, whole
-        (`prefill_chunk_size` does not split it). ValueError naming the field for bad input.
+        (`prefill_chunk_size` does not split it; with it set, one such prompt joins per step). ValueError
+        naming the field for bad input.
         """
         if self._row_processors is None:
             raise RuntimeError("this engine runs generate()'s fixed batch; it takes no requests")
@@ -506,12 +507,14 @@ class SpeculativeEngine:
     def _admit(self) -> list[RequestOutput]:
         """Start waiting requests, first come first served, while a row and their blocks are free. Returns
         the outputs of requests that failed to start (their model's own prefill raised)."""
-        failed = []
+        failed, prefilled = [], False
         free_rows = [row for row in range(self.max_batch_size) if row not in self._running]
         while self._waiting and free_rows:
             request = self._waiting[0]
             if self._reserved_blocks + request.num_blocks > self.cache.allocator.num_blocks:
                 break  # it waits for blocks that running requests will free
+            if prefilled and request.model_inputs is not None and self.prefill_chunk_size is not None:
+                break  # with chunked prefill, one image prefill per step: the running rows wait for one at most
             self._waiting.popleft()
             row = free_rows.pop(0)
             state, length = self.state, len(request.prompt)
@@ -528,6 +531,7 @@ class SpeculativeEngine:
             self._running[row] = request
             self._reserved_blocks += request.num_blocks
             if request.model_inputs is not None:
+                prefilled = True
                 try:
                     self._prefill_with_model(row, request)
                 except Exception as error:  # the request's own inputs: it fails, the engine goes on
