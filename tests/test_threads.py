@@ -70,3 +70,32 @@ def test_concurrent_calls_on_one_model_never_give_wrong_output():
     assert all(torch.equal(out, expected) for out in results)
     assert all("another thread is speculating" in error for error in errors)
     assert model.config._attn_implementation == original
+
+
+def test_the_architecture_probe_holds_the_model_until_its_own_forwards_end():
+    """check_architecture compares the paged forward with the model's own: while that runs, another
+    thread must not switch the model's attention (it would run the own forward on the paged one, and
+    the model would be refused as unsupported: a race seen in CI)."""
+    from hf_specdec.cache import architectures
+
+    model = build_tiny_llama()
+    in_own_forward, go_on = threading.Event(), threading.Event()
+
+    def pause_in_own_forward(module, args, kwargs):
+        if kwargs.get("use_cache") is False:  # the probe's reference forward
+            in_own_forward.set()
+            go_on.wait(30)
+
+    handle = model.register_forward_pre_hook(pause_in_own_forward, with_kwargs=True)
+    verdicts = []
+    prober = threading.Thread(target=lambda: verdicts.append(architectures._verdict(model)), daemon=True)
+    prober.start()
+    try:
+        assert in_own_forward.wait(30)
+        with pytest.raises(RuntimeError, match="another thread is speculating"), use_paged_attention(model):
+            pass
+    finally:
+        go_on.set()
+        prober.join(30)
+        handle.remove()
+    assert verdicts == [""]  # supported, as it is

@@ -28,7 +28,12 @@ from transformers import PreTrainedModel
 from transformers.utils.generic import TransformersKwargs
 
 from .forward import forward_tokens
-from .paged_attention import ModelInUseError, UnsupportedAttentionError, use_paged_attention
+from .paged_attention import (
+    ModelInUseError,
+    UnsupportedAttentionError,
+    held_by_this_thread,
+    use_paged_attention,
+)
 from .paged_cache import PagedKVCache, UnsupportedMaskError, UnsupportedModelError, layer_attention
 
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -183,7 +188,8 @@ def _probe(model: PreTrainedModel) -> str:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        # held for the whole probe: its own forwards below must not run on another thread's switched attention
+        with torch.no_grad(), held_by_this_thread(model):
             with use_paged_attention(model):
                 for step in range(2):
                     starts = [sum(c[:step]) for c in chunks]

@@ -344,17 +344,9 @@ def in_use_by_another_thread(model: PreTrainedModel) -> bool:
 
 
 @contextlib.contextmanager
-def use_paged_attention(model: PreTrainedModel) -> Iterator[None]:
-    """Route the model's attention through the paged function for the duration of the block.
-
-    The previous implementation comes back afterwards, so plain `generate()` is untouched.
-    Every config in the model that names an attention implementation is switched (the text
-    config of a multimodal model, sub-configs of composite ones).
-
-    The switch is a setting of the model every forward reads, so one model instance speculates in
-    one thread at a time: a second thread is refused (RuntimeError) rather than left to run on the
-    other's attention, or to restore the wrong setting. Nesting in the same thread is fine.
-    """
+def held_by_this_thread(model: PreTrainedModel) -> Iterator[None]:
+    """This thread holds `model` for the block: another thread's `use_paged_attention` (or hold) raises
+    `ModelInUseError` meanwhile. Nesting in the same thread is fine."""
     key, thread = id(model), threading.get_ident()
     with _IN_USE_LOCK:
         owner, depth = _IN_USE.get(key, (thread, 0))
@@ -365,20 +357,38 @@ def use_paged_attention(model: PreTrainedModel) -> Iterator[None]:
                 "(they may share a SuffixCache)"
             )
         _IN_USE[key] = (thread, depth + 1)
-    configs = _attention_configs(model)
-    previous = [config._attn_implementation for config in configs]
     try:
-        for config in configs:
-            config._attn_implementation = ATTENTION_NAME
         yield
     finally:
-        for config, name in zip(configs, previous):
-            config._attn_implementation = name
         with _IN_USE_LOCK:
             if depth:
                 _IN_USE[key] = (thread, depth)
             else:
                 del _IN_USE[key]
+
+
+@contextlib.contextmanager
+def use_paged_attention(model: PreTrainedModel) -> Iterator[None]:
+    """Route the model's attention through the paged function for the duration of the block.
+
+    The previous implementation comes back afterwards, so plain `generate()` is untouched.
+    Every config in the model that names an attention implementation is switched (the text
+    config of a multimodal model, sub-configs of composite ones).
+
+    The switch is a setting of the model every forward reads, so one model instance speculates in
+    one thread at a time (`held_by_this_thread`): a second thread is refused (RuntimeError) rather
+    than left to run on the other's attention, or to restore the wrong setting.
+    """
+    with held_by_this_thread(model):
+        configs = _attention_configs(model)
+        previous = [config._attn_implementation for config in configs]
+        try:
+            for config in configs:
+                config._attn_implementation = ATTENTION_NAME
+            yield
+        finally:
+            for config, name in zip(configs, previous):
+                config._attn_implementation = name
 
 
 def _attention_configs(model: torch.nn.Module) -> list:
