@@ -143,7 +143,7 @@ def speculative_step(
     segments = [np.concatenate([p.numpy(), d]) for p, d in zip(pending, proposal.draft_token_ids)]
     segment_lens = num_pending + num_draft
     # prompt chunks of rows still feeding theirs ride after the rows above: no drafts, no logits
-    chunks, _ = _chunk_segments(state, chunk_rows, chunk_lens)
+    chunks = _chunk_tokens(state, chunk_rows, chunk_lens)
     positions, tree_mask = _verify_positions(state, rows, num_pending, segment_lens, trees, chunk_rows, chunk_lens)
     segment_ends = np.cumsum(segment_lens)
     # logits of the last pending token and of every draft: num_draft + 1 per row
@@ -240,11 +240,9 @@ def prompt_chunks(state: DecodeState, rows: np.ndarray, budget: int) -> tuple[np
     return rows[stepping], rows[chunking], allotted[chunking]
 
 
-def _chunk_segments(state: DecodeState, rows: np.ndarray, lens: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """The tokens and positions of each row's next prompt chunk."""
-    tokens = [state.pending_tokens(int(row))[: int(n)].numpy() for row, n in zip(rows, lens)]
-    positions = [np.arange(start, start + n) for start, n in zip(state.num_cached[rows], lens)]
-    return tokens, positions
+def _chunk_tokens(state: DecodeState, rows: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
+    """The tokens of each row's next prompt chunk."""
+    return [state.pending_tokens(int(row))[: int(n)].numpy() for row, n in zip(rows, lens)]
 
 
 def _feed_chunks_alone(
@@ -254,8 +252,8 @@ def _feed_chunks_alone(
     """A step in which every row only feeds a prompt chunk: one forward, no logits."""
     if features is not None:
         features.begin_forward()
-    tokens, positions = _chunk_segments(state, rows, lens)
-    input_ids, position_ids = to_device([np.concatenate(tokens), np.concatenate(positions)], model.device)
+    positions, _ = _verify_positions(state, _NO_ROWS, _NO_ROWS, _NO_ROWS, None, rows, lens)
+    input_ids, position_ids = to_device([np.concatenate(_chunk_tokens(state, rows, lens)), positions], model.device)
     forward_tokens(model, cache, rows.tolist(), lens.tolist(), input_ids, position_ids, _NO_ROWS)
     _fed_chunks(state, features, rows, lens, first=0)
 
@@ -303,13 +301,12 @@ def _verify_positions(
 ) -> tuple[np.ndarray, torch.Tensor | None]:  # fmt: skip
     """The position of every token of the verify forward (the rows' segments, then the prompt chunks),
     and for draft trees the mask letting each node see only its ancestors (`tree_layout`)."""
+    starts = np.concatenate([state.num_cached[rows], state.num_cached[chunk_rows]])
     if trees is None:
-        starts = np.concatenate([state.num_cached[rows], state.num_cached[chunk_rows]])
-        return np.concatenate([np.arange(c, c + n) for c, n in zip(starts, np.concatenate([segment_lens, chunk_lens]))]), None
-    return tree_layout(  # a chunk is a segment with no tree
-        np.concatenate([state.num_cached[rows], state.num_cached[chunk_rows]]), np.concatenate([num_pending, chunk_lens]),
-        trees + [_NO_ROWS] * len(chunk_rows),
-    )  # fmt: skip
+        lens = np.concatenate([segment_lens, chunk_lens])
+        return np.concatenate([np.arange(c, c + n) for c, n in zip(starts, lens)]), None
+    # a chunk is a segment with no tree
+    return tree_layout(starts, np.concatenate([num_pending, chunk_lens]), trees + [_NO_ROWS] * len(chunk_rows))
 
 
 def _processed_logits(
