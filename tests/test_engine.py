@@ -17,6 +17,7 @@ import torch
 from conftest import (
     EOS_TOKEN_ID,
     FIRST_WORD_ID,
+    SMALL_VOCAB_SIZE,
     VOCAB_SIZE,
     build_small_vocab_llama,
     build_tiny_llama,
@@ -343,6 +344,49 @@ def test_sampled_requests_follow_the_exact_distribution():
         _finished(engine, PROMPT, {**config, "temperature": 0.6}, seed) for seed in range(3000, 4000)
     ]
     assert chi_square_pvalue(np.array(wrong), exact) < 1e-6
+
+
+def test_sampled_image_requests_follow_the_exact_distribution():
+    """A 16-token Gemma 3 with a SigLIP tower: sampled requests with an image, prefilled by the model's
+    own forward as they join, follow the exact distribution plain generate() gives with that image;
+    the same requests with another image (what a prefill that lost the image would give) fail it."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(
+        vocab_size=SMALL_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4, pad_token_id=0, eos_token_id=None, bos_token_id=None, initializer_range=0.3,
+    )  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=15, boi_token_index=13,
+        eoi_token_index=14, initializer_range=0.3, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    vlm = Gemma3ForConditionalGeneration(config).eval()
+    torch.nn.init.normal_(vlm.model.multi_modal_projector.mm_input_projection_weight, std=0.3)  # zeros at init
+    prompt = [2, 3, 13, 15, 15, 15, 15, 14, 5, 7, 5, 7]
+    images = {sign: sign * (1 + 0.1 * torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))) for sign in (1, -1)}
+
+    def inputs(input_ids: torch.Tensor, sign: int = 1) -> dict:
+        return {"pixel_values": images[sign].expand(len(input_ids), -1, -1, -1), "token_type_ids": (input_ids == 15).long()}
+
+    # the image token is never sampled (a prefix holding more of them than the image has features is no prompt)
+    sampling = {**SETTINGS["temperature_topk_topp"], "suppress_tokens": [15]}
+    exact = exact_distribution(vlm, sampling, prompt, inputs, tokens=range(15))
+    assert max(exact.values()) < 0.5, "the distribution is nearly deterministic: the test would prove little"
+    engine = SpeculativeEngine(vlm, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}, max_batch_size=64)
+    generation = {"max_new_tokens": NEW_TOKENS, "do_sample": True, "pad_token_id": 0, **sampling}
+    samples = {1: [], -1: []}
+    for sign, count in ((1, 2000), (-1, 500)):
+        ids = {engine.add_request(prompt, generation, seed=seed, model_inputs=inputs(torch.tensor([prompt]), sign)): sign
+               for seed in range(count)}  # fmt: skip
+        while engine.has_unfinished():
+            samples[sign].extend(o.token_ids for o in engine.step() if o.finished and ids.get(o.request_id) == sign)
+    assert engine.metrics.num_draft_tokens > 0 and engine.num_kv_blocks_used == 0
+    right, wrong = chi_square_pvalue(np.array(samples[1]), exact), chi_square_pvalue(np.array(samples[-1]), exact)
+    # measured: 0.55 with the image, 7e-19 with the other one
+    assert right > 1e-3 and wrong < 1e-6
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "ngram_tree"])

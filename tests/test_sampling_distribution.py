@@ -44,15 +44,20 @@ def model():
     return hf_specdec.enable(build_small_vocab_llama())
 
 
-def exact_distribution(model, sampling: dict) -> dict[tuple[int, ...], float]:
-    """P(next 3 tokens) by enumeration, from plain generate()'s processed scores at every prefix."""
+def exact_distribution(
+    model, sampling: dict, prompt: list[int] = PROMPT, inputs=None, tokens=range(SMALL_VOCAB_SIZE)
+) -> dict[tuple[int, ...], float]:
+    """P(next 3 tokens) by enumeration, from plain generate()'s processed scores at every prefix.
+    `inputs(input_ids)`: other inputs for a batch of those prefixes (an image's, for instance);
+    `tokens`: the ones that can be sampled (the rest suppressed)."""
     probs: dict[tuple[int, ...], torch.Tensor] = {}
     for depth in range(NEW_TOKENS):
-        suffixes = list(itertools.product(range(SMALL_VOCAB_SIZE), repeat=depth))
-        input_ids = torch.tensor([PROMPT + list(s) for s in suffixes])
+        suffixes = list(itertools.product(tokens, repeat=depth))
+        input_ids = torch.tensor([prompt + list(s) for s in suffixes])
         out = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
+            **(inputs(input_ids) if inputs else {}),
             max_new_tokens=1,
             do_sample=True,
             output_scores=True,
@@ -65,7 +70,7 @@ def exact_distribution(model, sampling: dict) -> dict[tuple[int, ...], float]:
             probs[suffix] = p
     return {
         triple: float(probs[()][triple[0]] * probs[triple[:1]][triple[1]] * probs[triple[:2]][triple[2]])
-        for triple in itertools.product(range(SMALL_VOCAB_SIZE), repeat=NEW_TOKENS)
+        for triple in itertools.product(tokens, repeat=NEW_TOKENS)
     }
 
 
