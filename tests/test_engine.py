@@ -255,6 +255,14 @@ def test_with_chunked_prefill_one_image_prompt_joins_per_step():
     assert running[None][0] == 3 and running[64][:3] == [1, 2, 3]
 
 
+def test_image_requests_refused_where_generate_refuses_them():
+    """Hybrids (recurrent state) and M-RoPE models: the engine refuses their image inputs, naming them."""
+    engine = SpeculativeEngine(families.build_tiny_model("lfm2"), ngram_config(k=3), max_batch_size=2)
+    with pytest.raises(ValueError, match=r"model inputs \['pixel_values'\] are not supported .*recurrent state"):
+        engine.add_request([2, 5, 6, 7], model_inputs={"pixel_values": torch.zeros(1, 3, 8, 8)})
+    assert engine.num_waiting == 0
+
+
 def test_aborts_free_every_block_and_drafter_row(model):
     config = {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3}
     engine = SpeculativeEngine(model, config, max_batch_size=4)
