@@ -474,15 +474,74 @@ def test_llava_image_prompts_with_draft_chains_and_trees():
     assert outputs[-1].token_ids == plain[0, len(prompt) :].tolist() and engine.num_kv_blocks_used == 0
 
 
-def test_image_inputs_refused_where_positions_are_not_token_counts():
-    """M-RoPE models (Qwen2-VL and its kind) place text after an image at offset 3-D positions."""
-    from hf_specdec.loop.prefill import check_model_prefill
+def tiny_mrope_vlm(model_type: str):
+    """Qwen2.5-VL or Qwen3-VL (M-RoPE: an image's tokens sit on a 3-D grid) with a one-layer vision
+    tower: 4-px patches, merged 2x2, so an image of 4x4 / 4x8 patches gives 4 / 8 tokens."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
-    class MRopeLlama(LlamaForCausalLM):
-        def get_rope_index(self, *args, **kwargs):
-            raise NotImplementedError
-
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    vision = dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    if model_type == "qwen3_vl":
+        rope = {**rope, "mrope_interleaved": True}
+        vision = {**vision, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
+    else:
+        vision = {**vision, "window_size": 8, "fullatt_block_indexes": [0]}
+    config = AutoConfig.for_model(
+        model_type, text_config=dict(TINY, vocab_size=300, num_hidden_layers=2, rope_parameters=rope),
+        vision_config=vision, image_token_id=299, vision_start_token_id=297, vision_end_token_id=298, video_token_id=296,
+    )  # fmt: skip
     torch.manual_seed(0)
-    model = MRopeLlama(LlamaConfig(**TINY, num_hidden_layers=1)).eval()
-    with pytest.raises(ValueError, match=r"\['pixel_values'\] are not supported for model_type='llama'.*M-RoPE"):
-        check_model_prefill(model, {"pixel_values": torch.zeros(1)})
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    return model
+
+
+def mrope_image_prompts() -> tuple[list[list[int]], list[dict]]:
+    """Two prompts with an image each (4 and 8 tokens: the text after them sits 2 and 4 positions
+    before its token count), and each prompt's inputs as its processor gives them."""
+    grids = [torch.tensor([[1, 4, 4]]), torch.tensor([[1, 4, 8]])]
+    prompts = [[2, 5, 6, 297, *[299] * 4, 298, 7, 8, 9, 10, 11, 7, 8, 9], [2, 297, *[299] * 8, 298, 20, 21, 22, 23, 20, 21]]
+    generator = torch.Generator().manual_seed(0)
+    inputs = [{
+        "pixel_values": torch.randn(int(grid.prod()), 3 * 2 * 4 * 4, generator=generator) + sign,
+        "image_grid_thw": grid,
+        "mm_token_type_ids": (torch.tensor([prompt]) == 299).int(),
+    } for prompt, grid, sign in zip(prompts, grids, (1, -1))]  # fmt: skip
+    return prompts, inputs
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_mrope_image_prompts_continue_at_the_models_positions(model_type, monkeypatch):
+    """After an image, M-RoPE models place text at its token count plus a per-row offset (here -2 and
+    -4); the loop feeds those positions, in generate() (a left-padded batch) and in the engine."""
+    import hf_specdec.loop.prefill as prefill
+
+    model = tiny_mrope_vlm(model_type)
+    prompts, inputs = mrope_image_prompts()
+    batch = left_padded_batch(prompts)
+    batch["mm_token_type_ids"] = (batch["input_ids"] == 299).int()
+    batch["pixel_values"] = torch.cat([i["pixel_values"] for i in inputs])
+    batch["image_grid_thw"] = torch.cat([i["image_grid_thw"] for i in inputs])
+    plain = plain_generate(model, **batch, max_new_tokens=24, do_sample=False)
+    width = batch["input_ids"].shape[1]
+    for config in ({"method": "ngram"}, {"method": "layer_skip", "early_exit_layer": 1}):
+        out = speculate(model, batch, 24, **config)
+        assert torch.equal(out.sequences, plain) and out.spec_metrics["num_accepted_tokens"] > 0, config
+    engine = hf_specdec.SpeculativeEngine(model, {"method": "ngram", "num_speculative_tokens": 4}, max_batch_size=2)
+    ids = [engine.add_request(p, {"max_new_tokens": 24, "do_sample": False}, model_inputs=i) for p, i in zip(prompts, inputs)]
+    finished = {o.request_id: o.token_ids for _ in range(60) for o in engine.step() if o.finished}
+    assert [finished[i] for i in ids] == plain[:, width:].tolist() and engine.num_kv_blocks_used == 0
+    # the offsets matter: at token-count positions the text after the images reads differently
+    monkeypatch.setattr(prefill, "_position_offsets", lambda model, positions, lens: np.zeros_like(lens))
+    assert not torch.equal(speculate(model, batch, 24).sequences, plain)
+
+
+def test_mrope_prompt_ending_with_an_image_refused():
+    """The token after an image would sit at a different position on each M-RoPE axis."""
+    model = tiny_mrope_vlm("qwen2_5_vl")
+    prompts, inputs = mrope_image_prompts()
+    ending_with_image = {"input_ids": torch.tensor([prompts[0][:8]]), **inputs[0]}
+    ending_with_image["mm_token_type_ids"] = ending_with_image["mm_token_type_ids"][:, :8]
+    with pytest.raises(ValueError, match=r"model_type='qwen2_5_vl(_text)?': the prompt ends with an image or video token"):
+        speculate(model, ending_with_image, 8)

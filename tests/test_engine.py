@@ -148,7 +148,7 @@ def test_prompt_chunks_share_the_budget_begun_prompts_first():
     state = DecodeState(
         token_buffer=torch.zeros(4, 64, dtype=torch.long), pad_lens=np.zeros(4, dtype=np.int64),
         seq_lens=np.array([30, 12, 40, 5]), num_cached=np.array([0, 11, 20, 0]), finished=np.zeros(4, dtype=bool),
-        max_lengths=np.full(4, 64), pad_token_id=0,
+        max_lengths=np.full(4, 64), pad_token_id=0, position_offsets=np.zeros(4, dtype=np.int64),
     )  # fmt: skip
     rows, chunk_rows, chunk_lens = prompt_chunks(state, np.arange(4), budget=24)
     assert rows.tolist() == [1, 2] and chunk_rows.tolist() == [0] and chunk_lens.tolist() == [4]
@@ -256,7 +256,7 @@ def test_with_chunked_prefill_one_image_prompt_joins_per_step():
 
 
 def test_image_requests_refused_where_generate_refuses_them():
-    """Hybrids (recurrent state) and M-RoPE models: the engine refuses their image inputs, naming them."""
+    """Hybrids (recurrent state): the engine refuses their image inputs, naming them."""
     engine = SpeculativeEngine(families.build_tiny_model("lfm2"), ngram_config(k=3), max_batch_size=2)
     with pytest.raises(ValueError, match=r"model inputs \['pixel_values'\] are not supported .*recurrent state"):
         engine.add_request([2, 5, 6, 7], model_inputs={"pixel_values": torch.zeros(1, 3, 8, 8)})

@@ -33,10 +33,10 @@ TEMPLATE = (
 )
 
 
-def png_url(seed: int) -> str:
+def png_url(seed: int, size: tuple[int, int] = (40, 48)) -> str:
     """A PNG of one colour with a little noise (random noise alone looks alike to a random vision tower)."""
     rng = np.random.default_rng(seed)
-    pixels = np.clip(rng.integers(0, 256, 3) + rng.normal(0, 8, (40, 48, 3)), 0, 255).astype("uint8")
+    pixels = np.clip(rng.integers(0, 256, 3) + rng.normal(0, 8, (*size, 3)), 0, 255).astype("uint8")
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
@@ -202,3 +202,70 @@ def test_engine_request_with_images_that_do_not_fit_its_tokens_fails_alone(folde
         engine.add_request(inputs["input_ids"][0], model_inputs={"attention_mask": inputs["attention_mask"]})
     with pytest.raises(ValueError, match="model_inputs must be a dict of input names to tensors"):
         engine.add_request(inputs["input_ids"][0], model_inputs={"pixel_values": [1.0]})
+
+
+QWEN_TEMPLATE = TEMPLATE.replace("<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory):
+    """A tiny Qwen2.5-VL (M-RoPE) and transformers' own Qwen2.5-VL processor (not saved: its video
+    processor needs torchvision, which CI does not install; built here without one): 4-px patches
+    merged 2x2, images resized to 8-32 px a side, so each gives 1-16 tokens on a grid of its own shape."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        smollm2_path(), extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>"]})
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 64, "longest_edge": 1024}
+    )
+    with pytest.MonkeyPatch.context() as patch:  # the class check looks the video processor class up
+        patch.setattr(Qwen2_5_VLProcessor, "check_argument_for_proper_class", lambda self, name, arg: None)
+        processor = Qwen2_5_VLProcessor(image_processor, tokenizer, chat_template=QWEN_TEMPLATE)
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        initializer_range=0.2,  # sharp attention: positions change the reply
+    )  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=8, fullatt_block_indexes=[0])  # fmt: skip
+    config = Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=tokenizer.image_token_id,
+        video_token_id=tokenizer.video_token_id, vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"), eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-qwen2.5-vl")
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
+    tokenizer.chat_template = QWEN_TEMPLATE  # text-only chats go through the tokenizer's, as on the Hub
+    tokenizer.save_pretrained(path)
+    return str(path), processor
+
+
+def test_mrope_model_chats_with_images_are_plain_generate(qwen_folder):
+    """Qwen2.5-VL's processor gives `image_grid_thw` and `mm_token_type_ids` beside the pixels; the text
+    after each image continues at the model's own (M-RoPE) positions. Chats with images of two shapes
+    and a text chat, at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder, processor = qwen_folder
+    model, tokenizer = load_target(folder, "auto", "cpu")
+    reference = load_target(folder, "auto", "cpu")[0]
+    chats = [[image_message("What is this?", seed=1)], [{"role": "user", "content": "Count to 5."}],
+             [{"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                           {"type": "image_url", "image_url": {"url": png_url(2, size=(16, 8))}}]}]]  # fmt: skip
+    expected = [plain_reply(reference, processor, chat, 24)[0] for chat in chats]
+    assert expected[0] != plain_reply(reference, processor, [image_message("What is this?", seed=3)], 24)[0], (
+        "the image does not change the reply: the test would not notice it dropped"
+    )
+    engine = SpeculativeEngine(model, ngram_config(k=3), max_batch_size=4, tokenizer=tokenizer)
+    with running_server(build_app(engine, tokenizer, "tiny-qwen", processor=processor)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(lambda chat: client.chat.completions.create(
+                model="tiny-qwen", messages=chat, temperature=0, max_tokens=24), chats))  # fmt: skip
+    assert [reply.choices[0].message.content for reply in replies] == expected

@@ -87,7 +87,7 @@ def generate(
         if prefill_inputs:  # images and the like: the model's own forward prefills the prompt
             attention_mask = model_kwargs.get("attention_mask")
             with torch.no_grad():
-                state.num_cached[:] = prefill_with_model(
+                state.num_cached[:], state.position_offsets[:] = prefill_with_model(
                     model, input_ids, torch.ones_like(input_ids) if attention_mask is None else attention_mask,
                     model_kwargs.get("position_ids"), prefill_inputs, engine.cache, engine.hold_capture(),
                 )
@@ -178,6 +178,7 @@ def _initial_state(input_ids, attention_mask, generation_config, stop_checker: S
         finished=np.zeros(batch, dtype=bool),
         max_lengths=np.full(batch, max_length, dtype=np.int64),
         pad_token_id=pad_token_id,
+        position_offsets=np.zeros(batch, dtype=np.int64),
     )
 
 

@@ -197,6 +197,7 @@ class SpeculativeEngine:
             finished=np.ones(max_batch_size, dtype=bool),  # a free slot is a finished row
             max_lengths=np.zeros(max_batch_size, dtype=np.int64),
             pad_token_id=0 if pad is None else int(pad),
+            position_offsets=np.zeros(max_batch_size, dtype=np.int64),
         )
         sampling = SamplingState(
             is_greedy=torch.ones(max_batch_size, dtype=torch.bool, device=model.device), generators=[None] * max_batch_size
@@ -520,7 +521,7 @@ class SpeculativeEngine:
             state, length = self.state, len(request.prompt)
             state.token_buffer[row].fill_(state.pad_token_id)
             state.token_buffer[row, :length] = torch.from_numpy(request.prompt)
-            state.pad_lens[row], state.seq_lens[row], state.num_cached[row] = 0, length, 0
+            state.pad_lens[row], state.seq_lens[row], state.num_cached[row], state.position_offsets[row] = 0, length, 0, 0
             state.max_lengths[row], state.finished[row] = request.max_length, False
             self.sampling.is_greedy[row] = request.generator is None
             self.sampling.generators[row] = request.generator
@@ -546,11 +547,11 @@ class SpeculativeEngine:
         self._pause_decoding()
         prompt = torch.from_numpy(request.prompt)[None].to(self.model.device)
         with torch.no_grad():
-            cached = prefill_with_model(
+            prefilled = prefill_with_model(
                 self.model, prompt, torch.ones_like(prompt), None, request.model_inputs, self.cache, self.hold_capture(),
                 rows=[row],
             )  # fmt: skip
-        self.state.num_cached[row] = int(cached[0])
+        self.state.num_cached[row], self.state.position_offsets[row] = prefilled.num_cached[0], prefilled.position_offsets[0]
         if self.k_controller is not None:  # the next steps carry the drafter's catch-up: not decode steps
             self.k_controller.begin_call()
 

@@ -9,14 +9,21 @@ over every prompt token but the last; each row's keys / values are then copied i
 the paged cache and the loop carries on from the last prompt token, a text token, which the paged
 attention handles like any other.
 
-What is refused, with the reason: models whose positions after an image are not the token count
-(M-RoPE: Qwen2-VL and its kind keep 3-D positions with per-image offsets), and hybrid models (their
-recurrent state would have to be copied per row as well).
+M-RoPE models (Qwen2-VL and its kind) place an image's tokens on a 3-D grid, so the text after it
+sits at the token count plus a per-row offset, the same on all three axes. The prefill takes the
+positions generate() computes (`_prepare_position_ids_for_generation`) and hands the loop that
+offset (`DecodeState.position_offsets`); the loop feeds the model 1-D positions, which it spreads
+over the three axes itself.
+
+What is refused, with the reason: a prompt whose last token has different positions on those axes
+(it ends with an image: the next positions are not one number), and hybrid models (their recurrent
+state would have to be copied per row as well).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,19 +36,17 @@ from ..models.feature_capture import TargetFeatureCapture
 
 def check_model_prefill(model: PreTrainedModel, inputs: dict) -> None:
     """ValueError naming the input and the reason when the model's own prefill cannot hand over to the loop."""
-    names = sorted(inputs)
-    model_type = model.config.get_text_config().model_type
-    rope_index = getattr(model, "get_rope_index", None) or getattr(getattr(model, "model", None), "get_rope_index", None)
-    if rope_index is not None:
-        raise ValueError(
-            f"model inputs {names} are not supported for model_type={model_type!r}: its positions after an image are "
-            "3-D (M-RoPE, offset per image), and the speculative loop continues with token-count positions"
-        )
     if any(kind.startswith("recurrent") for kind, _ in layer_attention(model.config)):
         raise ValueError(
-            f"model inputs {names} are not supported for model_type={model_type!r}: handing a hybrid model's "
-            "recurrent state from its own prefill to the speculative loop is not built"
+            f"model inputs {sorted(inputs)} are not supported for model_type="
+            f"{model.config.get_text_config().model_type!r}: handing a hybrid model's recurrent state from its own "
+            "prefill to the speculative loop is not built"
         )
+
+
+class PrefilledRows(NamedTuple):
+    num_cached: np.ndarray  # tokens now cached per batch row
+    position_offsets: np.ndarray  # per batch row, the model's position of a token less its token count
 
 
 def prefill_with_model(
@@ -53,23 +58,25 @@ def prefill_with_model(
     cache: PagedKVCache,
     features: TargetFeatureCapture | None,
     rows: Sequence[int] | None = None,
-) -> np.ndarray:
+) -> PrefilledRows:
     """Run the model's own forward over every prompt token but the last (left-padded batch, with the
-    positions plain generate() computed for it and the extra `inputs`), copy each row's keys / values
-    into `cache` and, for drafters reading the target's hidden states, queue each row's features.
-    `rows`: the cache row of each batch row (default: the same index; the engine prefills one request
-    into its own slot). Returns the tokens now cached per batch row."""
+    positions plain generate() computed for it, None: computed here as generate() does, and the extra
+    `inputs`), copy each row's keys / values into `cache` and, for drafters reading the target's hidden
+    states, queue each row's features. `rows`: the cache row of each batch row (default: the same
+    index; the engine prefills one request into its own slot)."""
     batch, width = input_ids.shape
     prompt_lens = attention_mask.sum(dim=1).cpu().numpy().astype(np.int64)
     cached = np.maximum(prompt_lens - 1, 0)
+    if position_ids is None:
+        # transformers' own: a model with M-RoPE overrides it (3-D positions from the image grids)
+        position_ids = model._prepare_position_ids_for_generation(input_ids, {"attention_mask": attention_mask, **inputs})
+    offsets = _position_offsets(model, position_ids, prompt_lens)
     if width < 2:
-        return cached
+        return PrefilledRows(cached, offsets)
     own_cache = DynamicCache(config=model.config)
-    if position_ids is None:  # what generate() derives from a left-padded mask
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     prepared = model.prepare_inputs_for_generation(
         input_ids[:, :-1], cache=own_cache, attention_mask=attention_mask[:, :-1], use_cache=True,
-        position_ids=position_ids[:, :-1], is_first_iteration=True, **inputs,
+        position_ids=position_ids[..., :-1], is_first_iteration=True, **inputs,
     )
     if features is not None:
         features.begin_forward()
@@ -84,7 +91,26 @@ def prefill_with_model(
             cache.layers[layer].update(keys, values, metadata=metadata)
         if features is not None:
             features.keep(row, width - 1 - count, count, batch_index=index)
-    return cached
+    return PrefilledRows(cached, offsets)
+
+
+def _position_offsets(model: PreTrainedModel, position_ids: torch.Tensor, prompt_lens: np.ndarray) -> np.ndarray:
+    """Per row, the position of the prompt's last token less its token count (0 but after an M-RoPE image).
+
+    `position_ids`: `[batch, width]`, or for M-RoPE `[axes, batch, width]` (transformers puts the text
+    positions first when it gives 4 rows: the 3 M-RoPE axes follow). Raises where the last token's
+    axes differ: the tokens after it would not have one position the loop can feed."""
+    last = position_ids[..., -1].cpu().long()
+    if last.ndim == 2:
+        axes = last[1:] if last.shape[0] == 4 else last
+        if not bool((axes == axes[0]).all()):
+            raise ValueError(
+                f"model_type={model.config.get_text_config().model_type!r}: the prompt ends with an image or video "
+                "token, whose M-RoPE positions differ per axis; speculative decoding continues from a text token "
+                "(end the prompt with text, as chat templates do)"
+            )
+        last = axes[0]
+    return last.numpy() - (prompt_lens - 1)
 
 
 def _row_states(states: torch.Tensor, row: int, count: int) -> torch.Tensor:

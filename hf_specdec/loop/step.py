@@ -55,6 +55,8 @@ class DecodeState:
     finished: np.ndarray  # bool per row
     max_lengths: np.ndarray  # per row, the column count (padding included) at which it stops (<= width)
     pad_token_id: int
+    # per row, added to a token's count to give its position: 0 but after an M-RoPE image (`prefill.py`)
+    position_offsets: np.ndarray
 
     def active_rows(self) -> np.ndarray:
         return np.flatnonzero(~self.finished)
@@ -302,6 +304,7 @@ def _verify_positions(
     """The position of every token of the verify forward (the rows' segments, then the prompt chunks),
     and for draft trees the mask letting each node see only its ancestors (`tree_layout`)."""
     starts = np.concatenate([state.num_cached[rows], state.num_cached[chunk_rows]])
+    starts += np.concatenate([state.position_offsets[rows], state.position_offsets[chunk_rows]])
     if trees is None:
         lens = np.concatenate([segment_lens, chunk_lens])
         return np.concatenate([np.arange(c, c + n) for c, n in zip(starts, lens)]), None
