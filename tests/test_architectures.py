@@ -474,7 +474,7 @@ def test_llava_image_prompts_with_draft_chains_and_trees():
     assert outputs[-1].token_ids == plain[0, len(prompt) :].tolist() and engine.num_kv_blocks_used == 0
 
 
-def tiny_mrope_vlm(model_type: str):
+def tiny_mrope_vlm(model_type: str, initializer_range: float = 0.02):
     """Qwen2.5-VL or Qwen3-VL (M-RoPE: an image's tokens sit on a 3-D grid) with a one-layer vision
     tower: 4-px patches, merged 2x2, so an image of 4x4 / 4x8 patches gives 4 / 8 tokens."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -488,7 +488,7 @@ def tiny_mrope_vlm(model_type: str):
     else:
         vision = {**vision, "window_size": 8, "fullatt_block_indexes": [0]}
     config = AutoConfig.for_model(
-        model_type, text_config=dict(TINY, vocab_size=300, num_hidden_layers=2, rope_parameters=rope),
+        model_type, text_config=dict(TINY, vocab_size=300, num_hidden_layers=2, rope_parameters=rope, initializer_range=initializer_range),
         vision_config=vision, image_token_id=299, vision_start_token_id=297, vision_end_token_id=298, video_token_id=296,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -535,6 +535,22 @@ def test_mrope_image_prompts_continue_at_the_models_positions(model_type, monkey
     # the offsets matter: at token-count positions the text after the images reads differently
     monkeypatch.setattr(prefill, "_position_offsets", lambda model, positions, lens: np.zeros_like(lens))
     assert not torch.equal(speculate(model, batch, 24).sequences, plain)
+
+
+def test_layer_skip_drafts_at_the_models_positions_after_an_mrope_image():
+    """With its second layer made an identity, the model's first layer drafts exactly what the whole
+    model says, so every draft passes: only if layer_skip feeds the offset positions too."""
+    model = tiny_mrope_vlm("qwen2_5_vl", initializer_range=0.2)  # sharp attention: positions matter
+    skipped = model.model.language_model.layers[1]
+    with torch.no_grad():
+        skipped.self_attn.o_proj.weight.zero_()
+        skipped.mlp.down_proj.weight.zero_()
+    prompts, inputs = mrope_image_prompts()
+    batch = {**left_padded_batch(prompts), "pixel_values": torch.cat([i["pixel_values"] for i in inputs]),
+             "image_grid_thw": torch.cat([i["image_grid_thw"] for i in inputs])}  # fmt: skip
+    batch["mm_token_type_ids"] = (batch["input_ids"] == 299).int()
+    metrics = speculate(model, batch, 40, method="layer_skip", early_exit_layer=1).spec_metrics
+    assert metrics["num_draft_tokens"] > 30 and metrics["num_accepted_tokens"] == metrics["num_draft_tokens"]
 
 
 def test_mrope_prompt_ending_with_an_image_refused():

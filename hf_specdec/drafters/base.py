@@ -30,6 +30,9 @@ class ProposeRequest:
     target_features: PendingFeatures | None = None
     # tree drafters: at most this many nodes per row this step (`"tree": "auto"` picks it per step)
     max_tree_nodes: int | None = None
+    # per row, the target's position of a token less its count (0 but after an M-RoPE image): for
+    # drafters running the target's own layers on its cache (layer_skip). None: all 0
+    position_offsets: list[int] | None = None
 
 
 @dataclass

@@ -229,11 +229,13 @@ def autoregressive_drafts(
     max_draft: Sequence[int],
     picker: DraftTokenPicker,
     device: torch.device,
+    position_offsets: Sequence[int] | None = None,
 ) -> tuple[list[np.ndarray], list[torch.Tensor]]:
     """Up to `max_draft[i]` draft tokens for each row, all rows batched in every forward.
 
     Row `rows[i]` first feeds `feeds[i]` (at least one token: the tokens its cache lacks, the
-    last being the context's last token), at positions continuing its cache length; then each
+    last being the context's last token), at positions continuing its cache length (plus
+    `position_offsets[i]`: `ProposeRequest.position_offsets`); then each
     draft token is fed back, one per row, while the row wants more. The last draft is never fed,
     so afterwards the cache holds the context plus all drafts but the last.
 
@@ -247,9 +249,10 @@ def autoregressive_drafts(
     (fed,) = to_device([np.concatenate([np.asarray(feeds[i], dtype=np.int64) for i in active] or [np.zeros(0, np.int64)])], device)
     steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (rows drafting, their tokens, q)
     drafted = np.zeros(len(rows), dtype=np.int64)
+    offsets = np.zeros(len(rows), dtype=np.int64) if position_offsets is None else np.asarray(position_offsets)
     while active:
         active_rows = [int(rows[i]) for i in active]
-        starts = np.array([cache.seq_lens.get(row, 0) for row in active_rows], dtype=np.int64)
+        starts = np.array([cache.seq_lens.get(row, 0) for row in active_rows], dtype=np.int64) + offsets[active]
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
         keep = np.cumsum(lengths) - 1  # each row's last fed token predicts its next draft
         (position_ids,) = to_device([positions], device)

@@ -104,6 +104,7 @@ class LayerSkipProposer:
                     max_draft,
                     self.picker,
                     self.model.device,
+                    request.position_offsets,
                 )
         finally:
             # give the loop its cache back as it was: the draft's slots beyond L are the verify's to write

@@ -128,6 +128,7 @@ def speculative_step(
             max_draft_tokens=max_draft.tolist(),
             target_features=None if features is None else features.pending,
             max_tree_nodes=tree_size,
+            position_offsets=state.position_offsets[rows].tolist(),
         )
     )
     trees = proposal.draft_parents  # None: every row's drafts are a chain
