@@ -32,7 +32,10 @@ import torch
 import transformers
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 VOCAB_SIZE = 128
 PAD_TOKEN_ID = 0
@@ -377,6 +380,24 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
         "n_recurrent_layers": None,
     },
 }
+# image-text-to-text families (text prompts): the text model as its text family's, the towers consistent
+_OVERRIDES.update({
+    "cohere_compass": {"text_config": _OVERRIDES["cohere_compass_text"]},
+    "glm5_next": {"text_config": {"qk_rope_head_dim": 0}},  # its DSA layers are NoPE
+    "inkling2": {"vision_config": {"text_hidden_size": 64}},
+    "inkling2_loop": {"vision_config": {"text_hidden_size": 64}},
+    "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # layers of the tiny tower
+    "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}},
+    "ernie4_5_vl_moe": {"text_config": {"moe_intermediate_size": [32, 32]}},  # text and vision experts
+})
+# M-RoPE families whose modeling code defaults the sections (to [16, 24, 24], ...) when the config
+# names none: sections adding up to half the tiny rotary dims (GLM-4.5V rotates half the head)
+for _family, _sections in {
+    "qwen2_vl": [2, 3, 3], "qwen2_5_vl": [2, 3, 3], "paddleocr_vl": [2, 3, 3], "glm4v": [2, 3, 3], "glm46v": [2, 3, 3],
+    "glm_ocr": [2, 3, 3], "glmga": [2, 3, 3], "glm4v_moe": [1, 1, 2], "ernie4_5_vl_moe": [3, 3, 2],
+}.items():  # fmt: skip
+    _text = _OVERRIDES.setdefault(_family, {}).setdefault("text_config", {})
+    _text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _sections}
 # composite families whose causal LM class takes the text config: same fixes as the text family
 _OVERRIDES["qwen4_exp"] = _OVERRIDES["qwen4_exp_text"]
 _OVERRIDES["dots3_note"] = _OVERRIDES["dots3_note_text"]
@@ -473,6 +494,28 @@ FAMILY_NOTES: dict[str, str] = {
         "decoder_start_token_id to every row, applies the codebook delay pattern and returns (batch, "
         "num_codebooks, seq); it ignores left padding (padded rows differ from the same prompt alone)"
     ),
+    # image-text-to-text families (text prompts)
+    **dict.fromkeys(
+        ["blip", "blip-2", "instructblip", "instructblipvideo", "idefics"],
+        "plain generate() needs pixel_values: the model does not generate from text alone",
+    ),
+    **dict.fromkeys(["fast_vlm", "perception_lm"], "cannot be built here: its vision tower needs timm (not installed)"),
+    **dict.fromkeys(
+        ["pix2struct", "pp_formulanet", "udop", "vision-encoder-decoder"],
+        "encoder-decoder: plain generate() fails on text input_ids alone (the encoder wants images / boxes)",
+    ),
+    **dict.fromkeys(
+        ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"],
+        "plain generate() fails in transformers 5.25: the thinker's M-RoPE index reads config.vision_start_token_id, "
+        "which its config class does not define",
+    ),
+    **dict.fromkeys(["pi0", "pi05"], "robot action models: no generation_config, they do not generate text"),
+    "apertus1p5": "the tiny config does not validate: its audio token range needs the full 266k vocabulary",
+    "chameleon": "the tiny model does not build: its VQ image tokenizer reads a vocabulary map only checkpoints carry",
+    "deepseek_ocr2": "the tiny model does not build: its vision encoder reads sizes only checkpoints' configs carry",
+    "diffusion_gemma": "the tiny model does not build: a projection size is None in the default config",
+    "granite4_vision": "the tiny model does not build: its vision feature layers are None in the default config",
+    "hunyuan_vl": "plain generate() fails on a text prompt (its position index reads image sizes that are None)",
     "xlm": (
         "left-padded rows are not supported by plain generate(): XLM's prepare_inputs_for_generation drops "
         "attention_mask and appends mask_token_id, and XLMModel rebuilds the mask from the count of "
@@ -519,9 +562,17 @@ def causal_lm_families() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def image_text_to_text_families() -> list[str]:
+    """Every model type transformers maps to an image-text-to-text class but not to a causal LM one
+    (Llava, Qwen2.5-VL, ...: `serve` loads them with AutoModelForImageTextToText), sorted."""
+    return sorted(set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+
+
 def model_class(model_type: str) -> type[PreTrainedModel]:
-    """The causal LM class transformers' auto mapping picks for `model_type`."""
-    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    """The class transformers' auto mapping picks for `model_type`: its causal LM, else its
+    image-text-to-text model."""
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]
+    return getattr(transformers, name)
 
 
 def config_class(model_type: str) -> type[PreTrainedConfig]:
@@ -676,6 +727,7 @@ def _tiny_config(
         target = _resolve(cls, fields, name)
         if target is not None:
             kwargs[target] = value
+    kwargs.update(_tiny_mrope_sections(default, kwargs))
     resolved = {(_resolve(cls, fields, k) or k): v for k, v in plain_overrides.items()}
     kwargs.update({k: v for k, v in resolved.items() if not isinstance(v, list)})
 
@@ -700,6 +752,21 @@ def _tiny_config(
     kwargs.update(_layer_kwargs(cls, fields, full, n_target))
     kwargs.update(resolved)  # the family's own fixes win
     return _make(cls, kwargs)
+
+
+def _tiny_mrope_sections(default: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """M-RoPE (Qwen2-VL, GLM-4V, ...): the temporal / height / width sections must add up to half the
+    rotary dims, so they shrink with the head, in the full-size model's proportions."""
+    rope = _get(default, "rope_parameters")
+    sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+    if not sections:
+        return {}
+    head_dim = kwargs.get("head_dim") or kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    partial = rope.get("partial_rotary_factor", _get(default, "partial_rotary_factor") or 1.0)
+    half = int(kwargs.get("qk_rope_head_dim") or head_dim * partial) // 2  # MLA rotates its rope part only
+    tiny = [max(1, round(section * half / sum(sections))) for section in sections]
+    tiny[-1] = half - sum(tiny[:-1])
+    return {"rope_parameters": {**rope, "mrope_section": tiny}}
 
 
 def tiny_config(model_type: str, init_scale: float | None = None) -> PreTrainedConfig:

@@ -1,7 +1,8 @@
 """Every decoder-only causal-LM family of the installed transformers, speculated on exactly or refused.
 
-The rows come from transformers itself (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, via `families.py`), so
-a new release adds rows. Each family's tiny random model (batch 3, left-padded prompts longer than
+The rows come from transformers itself (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, then the
+image-text-to-text families it does not list, on text prompts: `families.py`), so a new release adds
+rows. Each family's tiny random model (batch 3, left-padded prompts longer than
 any sliding window, greedy) must give plain `generate()`'s tokens with two drafters: the n-gram
 drafter (k=4: most drafts rejected) and a draft model that is the target with slightly perturbed
 weights (k=3: most drafts accepted), so acceptance and rollback both run on every family, and n-gram
@@ -74,8 +75,8 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "roc_bert": "reads inputs laid out by batch row",
     "roformer": "reads the attention mask itself",
     "rwkv": "keeps its own cache class",
-    "trocr": "takes no logits_to_keep",
-    "whisper": "takes no logits_to_keep",
+    "trocr": "reads the attention mask itself",
+    "whisper": "takes no position_ids and left padding changes its logits",
     "xglm": "reads the attention mask itself",
     "xlm-roberta": "reads inputs laid out by batch row",
     "xlm-roberta-xl": "reads inputs laid out by batch row",
@@ -84,6 +85,20 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "xmod": "reads inputs laid out by batch row",
     "zamba": "rolling its recurrent state back one token changes its logits",
     "zaya": "rolling its recurrent state back one token changes its logits",
+    # image-text-to-text families, on text prompts
+    "florence2": "encoder-decoder models are not supported",
+    "glm5_next": "'indexed_attention'",
+    "hy_v4_vl": "'indexed_attention'",
+    "inkling2": "passes \\['position_bias'\\]",
+    "inkling2_loop": "passes \\['position_bias'\\]",
+    "inkling_mm_model": "passes \\['position_bias'\\]",
+    "kosmos-2": "logits on the paged cache differ",
+    "kosmos-2.5": "logits on the paged cache differ",
+    "mistral_large4": "'indexed_attention'",
+    "molmo2": "reads the attention mask itself",
+    "paligemma": "bidirectional attention",
+    "t5gemma2": "encoder-decoder models are not supported",
+    "unlimited_ocr": "'reference_sliding_attention'",
 }
 
 MAX_NEW_TOKENS = 30
@@ -100,7 +115,7 @@ def prompts() -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("model_type", families.causal_lm_families())
+@pytest.mark.parametrize("model_type", families.causal_lm_families() + families.image_text_to_text_families())
 def test_family_is_exact_or_refused(model_type):
     if model_type in families.FAMILY_NOTES:  # transformers itself cannot build or plain-generate it here
         try:

@@ -85,8 +85,6 @@ def _static_reason(model: PreTrainedModel, config, text) -> str:
     if not type(model)._supports_default_dynamic_cache():
         return "it keeps its own cache class instead of transformers' Cache layers"
     layer_attention(config)  # recurrent / linear-attention / other layer kinds: raises with the layer named
-    if "logits_to_keep" not in _forward_parameters(model):
-        return "its forward takes no logits_to_keep"
     return ""
 
 
@@ -154,6 +152,23 @@ def _mask_disagrees_with_cache(layer_kinds: list, layer_masks: dict) -> str:
                 f"layer {index}'s cache keeps a {kind} window of {size} tokens but the mask the model builds for it "
                 "does not: plain generate() then attends differently while prefilling and while decoding"
             )
+    return ""
+
+
+def _left_padding_problem(model: PreTrainedModel, tokens: torch.Tensor, own: torch.Tensor) -> str:
+    """A forward that takes no position_ids gets none from plain generate(): the model counts positions
+    itself. Where left padding shifts them (Whisper's decoder counts from the cache length), a padded
+    row of plain generate()'s batch reads differently from the row alone, which the loop gives."""
+    pad = int(model.generation_config.pad_token_id or 0)
+    padded = torch.cat([torch.full((2,), pad, dtype=tokens.dtype), tokens])[None].to(model.device)
+    mask = torch.cat([torch.zeros(2, dtype=torch.long), torch.ones(len(tokens), dtype=torch.long)])[None].to(model.device)
+    logits = model(input_ids=padded, attention_mask=mask, use_cache=False).logits[0, 2:].float().cpu()
+    error = float((logits - own).abs().max())
+    if error > PROBE_TOLERANCE * (1.0 + float(own.abs().max())):
+        return (
+            f"its forward takes no position_ids and left padding changes its logits by {error:.3g} (float32): the "
+            "positions it counts itself include the padding, so plain generate() gives a padded row other tokens"
+        )
     return ""
 
 
@@ -257,6 +272,8 @@ def _probe(model: PreTrainedModel) -> str:
                         f"its logits on the paged cache differ from its own forward by {error:.3g} (float32): "
                         "its attention depends on something the paged attention does not reproduce"
                     )
+            if "position_ids" not in _forward_parameters(model):
+                return _left_padding_problem(model, rows[1], own)
     finally:
         model.train(was_training)
     return ""

@@ -3,6 +3,8 @@ forward per row when the cache holds a hybrid model's recurrent state (`recurren
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 
 import numpy as np
@@ -13,6 +15,13 @@ from ..profiling import timed_forward
 from ..tensor_parallel import check_ranks_agree, tensor_parallel_group
 from ..transfer import to_device
 from .paged_cache import PagedKVCache
+
+
+@functools.cache
+def takes_logits_to_keep(model_class: type) -> bool:
+    """Whether the model's forward computes logits only where asked (`logits_to_keep`). A few do not
+    (MiniCPM-V 4.6, VideoLLaMA 3, TrOCR): they compute every position's, in plain generate() too."""
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def run_rows(
@@ -63,15 +72,14 @@ def forward_tokens(
     if group is not None:
         check_ranks_agree(group, input_ids, position_ids)
 
+    selects = takes_logits_to_keep(type(model))
+
     def forward(tokens: slice, kept: np.ndarray) -> torch.Tensor:
         logits_to_keep = to_device([kept], input_ids.device)[0]
+        inputs = {"input_ids": input_ids[None, tokens], "position_ids": position_ids[None, tokens]}
         with timed_forward(input_ids.device):
-            return model(
-                input_ids=input_ids[None, tokens],
-                position_ids=position_ids[None, tokens],
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            ).logits[0]
+            if selects:
+                return model(**inputs, cache=cache, use_cache=True, logits_to_keep=logits_to_keep).logits[0]
+            return model(**inputs, cache=cache, use_cache=True).logits[0, logits_to_keep]
 
     return run_rows(cache, rows, counts, keep, forward, tree_mask=tree_mask)

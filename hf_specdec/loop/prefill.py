@@ -30,6 +30,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
+from ..cache.forward import takes_logits_to_keep
 from ..cache.paged_cache import PagedKVCache, layer_attention
 from ..models.feature_capture import TargetFeatureCapture
 
@@ -80,7 +81,7 @@ def prefill_with_model(
     )
     if features is not None:
         features.begin_forward()
-    model(**{**prepared, "logits_to_keep": 1})
+    model(**prepared, **({"logits_to_keep": 1} if takes_logits_to_keep(type(model)) else {}))
     for index, row in enumerate(range(batch) if rows is None else rows):
         count = int(cached[index])
         if count == 0:
