@@ -561,3 +561,61 @@ def test_mrope_prompt_ending_with_an_image_refused():
     ending_with_image["mm_token_type_ids"] = ending_with_image["mm_token_type_ids"][:, :8]
     with pytest.raises(ValueError, match=r"model_type='qwen2_5_vl(_text)?': the prompt ends with an image or video token"):
         speculate(model, ending_with_image, 8)
+
+
+def tiny_vlm_with_image(model_type: str) -> tuple[torch.nn.Module, dict]:
+    """A tiny VLM of `model_type` (a one-layer vision tower on 32-px images, weights at std 0.2 so the
+    image changes the reply) and one image's inputs as its processor lays them out. Each family turns
+    the image's 4x4 patches into 4 tokens (id 299; GLM-4V wraps them in 297 / 298)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = dict(TINY, vocab_size=300, num_hidden_layers=2, initializer_range=0.2)
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)) + 1
+    if model_type == "idefics3":  # SmolVLM's architecture
+        config = AutoConfig.for_model(model_type, text_config=dict(text, model_type="llama"), image_token_id=299,
+                                      vision_config=dict(tower, image_size=32, patch_size=8), scale_factor=2)  # fmt: skip
+        inputs = {"pixel_values": pixels[None], "pixel_attention_mask": torch.ones(1, 1, 32, 32, dtype=torch.bool)}
+    elif model_type == "mistral3":  # Pixtral tower, patch merger
+        config = AutoConfig.for_model(model_type, text_config=dict(text, model_type="mistral"), image_token_index=299,
+                                      vision_config=dict(tower, image_size=32, patch_size=8, head_dim=16))  # fmt: skip
+        inputs = {"pixel_values": pixels, "image_sizes": torch.tensor([[32, 32]])}
+    elif model_type == "internvl":  # pixel shuffle
+        config = AutoConfig.for_model(model_type, text_config=dict(text, model_type="qwen2"), image_token_id=299,
+                                      vision_config=dict(tower, image_size=[32, 32], patch_size=[8, 8]))  # fmt: skip
+        inputs = {"pixel_values": pixels}
+    else:  # glm4v: M-RoPE with GLM's own position index
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "partial_rotary_factor": 1.0}
+        vision = dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2, image_size=32)  # fmt: skip
+        config = AutoConfig.for_model(model_type, text_config=dict(text, rope_parameters=rope), vision_config=vision,
+                                      image_token_id=299, image_start_token_id=297, image_end_token_id=298,
+                                      video_token_id=296)  # fmt: skip
+        inputs = {"pixel_values": pixels.reshape(32, 96)[:16], "image_grid_thw": torch.tensor([[1, 4, 4]])}  # 16 patches
+    config.initializer_range = 0.2
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    return model, inputs
+
+
+@pytest.mark.parametrize("model_type", ["idefics3", "mistral3", "internvl", "glm4v"])
+def test_image_prompts_across_vlm_families(model_type):
+    """SmolVLM's Idefics 3, Mistral 3, InternVL and GLM-4V: an image prompt in generate() (a draft model
+    that sees the text only: drafts accepted and rejected) and in the engine equals plain generate()."""
+    model, image_inputs = tiny_vlm_with_image(model_type)
+    image = [297, *[299] * 4, 298] if model_type == "glm4v" else [299] * 4
+    prompt = [2, 5, 6, *image, 7, 8, 9, 10, 11, 7, 8, 9]
+    inputs = {"input_ids": torch.tensor([prompt]), "attention_mask": torch.ones(1, len(prompt), dtype=torch.long)}
+    if model_type == "glm4v":
+        image_inputs["mm_token_type_ids"] = (inputs["input_ids"] == 299).int()
+    plain = plain_generate(model, **inputs, **image_inputs, max_new_tokens=20, do_sample=False)
+    other = {**image_inputs, "pixel_values": -3 * image_inputs["pixel_values"]}
+    assert not torch.equal(plain, plain_generate(model, **inputs, **other, max_new_tokens=20, do_sample=False))
+    out = speculate(model, {**inputs, **image_inputs}, 20, method="draft_model", model=perturbed_copy(model), num_speculative_tokens=3)
+    accepted, drafted = out.spec_metrics["num_accepted_tokens"], out.spec_metrics["num_draft_tokens"]
+    assert torch.equal(out.sequences, plain) and 0 < accepted < drafted
+    engine = hf_specdec.SpeculativeEngine(model, {"method": "ngram", "prompt_lookup_min": 1}, max_batch_size=2)
+    request_id = engine.add_request(prompt, {"max_new_tokens": 20, "do_sample": False}, model_inputs=image_inputs)
+    finished = {o.request_id: o.token_ids for _ in range(40) for o in engine.step() if o.finished}
+    assert finished[request_id] == plain[0, len(prompt) :].tolist() and engine.num_kv_blocks_used == 0
