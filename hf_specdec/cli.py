@@ -443,13 +443,12 @@ def _plan_linears(args: argparse.Namespace) -> int:
 
 def load_plain_fp32(name: str) -> torch.nn.Module:
     """The model `name` (a folder, a Hub id or 'smollm2') in fp32 on CPU, eval mode, no tokenizer."""
-    from transformers import AutoModelForCausalLM
-
+    from .models.auto_class import generation_model_class
     from .models.real_models import load_smollm2
 
     if name == "smollm2":
         return load_smollm2(torch.float32, "cpu")[0]
-    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    return generation_model_class(name).from_pretrained(name, dtype=torch.float32).eval()
 
 
 if __name__ == "__main__":

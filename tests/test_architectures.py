@@ -619,3 +619,15 @@ def test_image_prompts_across_vlm_families(model_type):
     request_id = engine.add_request(prompt, {"max_new_tokens": 20, "do_sample": False}, model_inputs=image_inputs)
     finished = {o.request_id: o.token_ids for _ in range(40) for o in engine.step() if o.finished}
     assert finished[request_id] == plain[0, len(prompt) :].tolist() and engine.num_kv_blocks_used == 0
+
+
+def test_vlm_draft_model_loaded_from_its_folder(tmp_path):
+    """A draft that transformers lists only as image-text-to-text (a Mistral 3, like the target) loads
+    from its folder as AutoModelForImageTextToText, as `serve` loads such a target."""
+    model, image_inputs = tiny_vlm_with_image("mistral3")
+    perturbed_copy(model).save_pretrained(tmp_path / "draft")
+    prompt = [2, 5, 6, *[299] * 4, 7, 8, 9, 10, 11, 7, 8, 9]
+    inputs = {"input_ids": torch.tensor([prompt]), **image_inputs}
+    plain = plain_generate(model, **inputs, max_new_tokens=16, do_sample=False)
+    out = speculate(model, inputs, 16, method="draft_model", model=str(tmp_path / "draft"), num_speculative_tokens=3)
+    assert torch.equal(out.sequences, plain) and out.spec_metrics["num_accepted_tokens"] > 0

@@ -27,13 +27,14 @@ import weakref
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..cache.architectures import check_architecture
 from ..cache.forward import forward_tokens
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
 from ..config import TreeSpec
+from ..models.auto_class import generation_model_class
 from ..transfer import to_device
 from .base import DraftProposal, ProposeRequest
 from .drafting import (
@@ -73,9 +74,10 @@ def load_draft_model(spec: PreTrainedModel | str | os.PathLike, target: PreTrain
 
     def load() -> PreTrainedModel:
         try:
-            model = AutoModelForCausalLM.from_pretrained(key, dtype=target.dtype, local_files_only=True)
+            auto = generation_model_class(key, local_files_only=True)
+            model = auto.from_pretrained(key, dtype=target.dtype, local_files_only=True)
         except OSError:
-            model = AutoModelForCausalLM.from_pretrained(key, dtype=target.dtype)
+            model = generation_model_class(key).from_pretrained(key, dtype=target.dtype)
         return model.to(target.device).eval()
 
     return load_cached(_LOADED.setdefault(target, {}), key, spec, load)

