@@ -389,6 +389,74 @@ _OVERRIDES.update({
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # layers of the tiny tower
     "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}},
     "ernie4_5_vl_moe": {"text_config": {"moe_intermediate_size": [32, 32]}},  # text and vision experts
+    # deepstack / spatial projector layout only checkpoints carry: vision layers -> the 2 tiny LLM layers
+    "granite4_vision": {
+        "deepstack_layer_map": [[-2, 0], [-1, 1]],
+        "spatial_target_layers": [0, 1, 0, 1],
+        "downsample_rate": "1/2",
+        "vision_config": {"image_size": 32, "patch_size": 8},
+    },
+    # the rotary module needs M-RoPE sections (checkpoints: 4 axes, position / width / height / image index)
+    "hunyuan_vl": {
+        "text_config": {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2, 2]}
+        }
+    },
+    # mlp_layer_types is required (checkpoints give it); the SAM neck's conv channels lead into the
+    # vision encoder's hidden size, its global-attention layers are indices of the tiny tower
+    "deepseek_ocr2": {
+        "text_config": {"mlp_layer_types": ["dense", "sparse"]},
+        "vision_config": {
+            "sam_config": {
+                "image_size": 64,
+                "window_size": 2,
+                "global_attn_indexes": [1],
+                "output_channels": 32,
+                "downsample_channels": [32, 64],
+            }
+        },
+    },
+    # visual / audio code ranges (4 codes each) and their placeholders at the top of the tiny vocabulary;
+    # tiny tokenizers (GroupNorm needs multiples of 32 channels, WavTokenizer codebook_dim == hidden_size)
+    "apertus1p5": {
+        "image_token_id": 124,
+        "audio_token_id": 125,
+        "image_token_offset": 116,
+        "audio_token_offset": 120,
+        "vision_config": {
+            "codebook_size": 4,
+            "embed_dim": 32,  # (16 draws text weights whose greedy output repeats the pad id)
+            "latent_channels": 16,
+            "base_channels": 32,
+            "channel_multiplier": [1, 1],
+            "num_res_blocks": 1,
+            "attn_resolutions": [16],
+            "resolution": 32,
+        },
+        "audio_config": {
+            "codebook_size": 4,
+            "codebook_dim": 64,
+            "num_filters": 8,
+            "upsampling_ratios": [2, 2],
+            "decoder_hidden_size": 64,
+            "decoder_intermediate_size": 128,
+            "decoder_num_layers": 1,
+        },
+    },
+    # the BPE <-> VQ-codebook map only checkpoints carry: 4 image tokens (masked out of the logits) and
+    # <image> at the top of the tiny vocabulary; a tiny VQ-VAE (GroupNorm needs multiples of 32 channels)
+    "chameleon": {
+        "vocabulary_map": {"<image>": 127, **{f"IMGIMG{chr(ord('A') + i)}Z": 123 + i for i in range(4)}},
+        "vq_config": {
+            "embed_dim": 16,
+            "num_embeddings": 4,
+            "latent_channels": 16,
+            "resolution": 32,
+            "base_channels": 32,
+            "channel_multiplier": [1, 1],
+            "num_res_blocks": 1,
+        },
+    },
 })
 # M-RoPE families whose modeling code defaults the sections (to [16, 24, 24], ...) when the config
 # names none: sections adding up to half the tiny rotary dims (GLM-4.5V rotates half the head)
@@ -416,7 +484,7 @@ _INIT_SCALE: dict[str, float] = {
     "gemma4_unified": 0.4, "gemma4_unified_text": 0.4, "git": 0.1, "glm4": 0.4, "glm4_moe": 0.4,
     "glm4_moe_lite": 0.7, "glm_moe_dsa": 0.4, "got_ocr2": 0.4, "gpt-sw3": 0.4, "gpt2": 0.4, "gpt_neo": 0.1,
     "gpt_neox": 1.0, "gpt_neox_japanese": 0.7, "gptj": 0.7, "granitemoe_swa": 1.0, "granitemoehybrid": 0.4,
-    "hunyuan_v1_moe": 0.05, "hy_v4": 0.4, "inkling2_loop_text": 0.4, "inkling2_text": 0.4,
+    "hunyuan_v1_moe": 0.05, "hunyuan_vl": 0.4, "hy_v4": 0.4, "inkling2_loop_text": 0.4, "inkling2_text": 0.4,
     "inkling_text": 1.0, "jais2": 0.4, "jetmoe": 0.4, "kimi_linear": 0.1, "kolibri1": 0.1, "kolibri1_1": 0.4,
     "laguna": 0.7, "lfm2": 0.1, "llama4": 0.05, "llama4_text": 0.05, "longcat_flash": 0.7, "mamba": 0.4,
     "marian": 0.7, "mbart": 0.7, "megatron-bert": 1.0, "mellum": 0.4, "minicpm3": 0.7, "minimax_m2": 0.4,
@@ -510,12 +578,11 @@ FAMILY_NOTES: dict[str, str] = {
         "which its config class does not define",
     ),
     **dict.fromkeys(["pi0", "pi05"], "robot action models: no generation_config, they do not generate text"),
-    "apertus1p5": "the tiny config does not validate: its audio token range needs the full 266k vocabulary",
-    "chameleon": "the tiny model does not build: its VQ image tokenizer reads a vocabulary map only checkpoints carry",
-    "deepseek_ocr2": "the tiny model does not build: its vision encoder reads sizes only checkpoints' configs carry",
-    "diffusion_gemma": "the tiny model does not build: a projection size is None in the default config",
-    "granite4_vision": "the tiny model does not build: its vision feature layers are None in the default config",
-    "hunyuan_vl": "plain generate() fails on a text prompt (its position index reads image sizes that are None)",
+    "diffusion_gemma": (
+        "not autoregressive: DiffusionGemmaForBlockDiffusion generates by block diffusion with a generate() of its "
+        "own (no GenerationMixin), which takes no custom_generate; hf_specdec.enable() refuses it (the tiny config "
+        "does not build either: a projection size is None in the default config)"
+    ),
     "xlm": (
         "left-padded rows are not supported by plain generate(): XLM's prepare_inputs_for_generation drops "
         "attention_mask and appends mask_token_id, and XLMModel rebuilds the mask from the count of "

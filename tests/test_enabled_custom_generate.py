@@ -136,3 +136,18 @@ def test_other_custom_generate_without_speculative_config_is_left_alone(enabled_
 
     out = enabled_llama.generate(**repeated_span_batch(2), max_new_tokens=5, custom_generate=my_loop)
     assert seen and out.shape == (2, 1)
+
+
+def test_a_generate_that_never_reaches_our_loop_is_an_error(tiny_llama):
+    """A model whose generate() is its own (Diffusion Gemma's block diffusion) swallows custom_generate:
+    speculative_config would be silently ignored. A model with no generate() at all is refused up front."""
+    with pytest.raises(ValueError, match=r"enable\(\): LlamaModel has no generate\(\)"):
+        hf_specdec.enable(tiny_llama.model)
+
+    class OwnGenerate(type(tiny_llama)):
+        def generate(self, input_ids, max_new_tokens=8, **ignored):
+            return torch.cat([input_ids, input_ids.new_ones((input_ids.shape[0], max_new_tokens))], dim=1)
+
+    model = hf_specdec.enable(OwnGenerate(tiny_llama.config).eval())
+    with pytest.raises(ValueError, match=r"OwnGenerate.generate\(\) does not hand speculative_config to hf_specdec"):
+        model.generate(input_ids=torch.tensor([[2, 5, 6]]), max_new_tokens=4, speculative_config={"method": "ngram"})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 
 from transformers import PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
@@ -28,6 +29,8 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
 
     Without `speculative_config` (or with None) generate behaves exactly as before.
     """
+    if not callable(getattr(model, "generate", None)):
+        raise ValueError(f"hf_specdec.enable(): {type(model).__name__} has no generate() (a base model?); pass a causal LM")
     if getattr(model.generate, "_hf_specdec_original", None) is not None:
         return model
     original = model.generate
@@ -52,11 +55,28 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
         kwargs.pop("custom_generate", None)
         _move_streamer(kwargs)
         _move_stop_strings_to_criteria(model, kwargs)
-        return original(*args, custom_generate=speculative_generate, speculative_config=speculative_config, **kwargs)
+        _reached.ours = False
+        output = original(*args, custom_generate=_noted_generate, speculative_config=speculative_config, **kwargs)
+        if not _reached.ours:  # PEFT wrappers hand it on to their base model; a generate() of its own does not
+            raise ValueError(
+                f"{type(model).__name__}.generate() does not hand speculative_config to hf_specdec: it is not "
+                "transformers' autoregressive GenerationMixin.generate (Diffusion Gemma's block diffusion, say)"
+            )
+        return output
 
     generate._hf_specdec_original = original
     model.generate = generate
     return model
+
+
+# whether the wrapped generate() reached our loop, per thread (each thread runs its own model instance)
+_reached = threading.local()
+
+
+@functools.wraps(speculative_generate)  # transformers reads the callable's signature for its keywords
+def _noted_generate(*args, **kwargs):
+    _reached.ours = True
+    return speculative_generate(*args, **kwargs)
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
@@ -79,7 +99,7 @@ def _move_streamer(kwargs: dict) -> None:
 
 def _move_stop_strings_to_criteria(model: PreTrainedModel, kwargs: dict) -> None:
     generation_config = kwargs.get("generation_config") or model.generation_config
-    stop_strings = kwargs.pop("stop_strings", None) or generation_config.stop_strings
+    stop_strings = kwargs.pop("stop_strings", None) or getattr(generation_config, "stop_strings", None)
     tokenizer = kwargs.pop("tokenizer", None)
     if not stop_strings:
         return
@@ -88,7 +108,7 @@ def _move_stop_strings_to_criteria(model: PreTrainedModel, kwargs: dict) -> None
     criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
     criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     kwargs["stopping_criteria"] = criteria
-    if generation_config.stop_strings:
+    if getattr(generation_config, "stop_strings", None):
         generation_config = copy.deepcopy(generation_config)
         generation_config.stop_strings = None
         kwargs["generation_config"] = generation_config
