@@ -580,6 +580,14 @@ def tiny_vlm_with_image(model_type: str) -> tuple[torch.nn.Module, dict]:
         config = AutoConfig.for_model(model_type, text_config=dict(text, model_type="mistral"), image_token_index=299,
                                       vision_config=dict(tower, image_size=32, patch_size=8, head_dim=16))  # fmt: skip
         inputs = {"pixel_values": pixels, "image_sizes": torch.tensor([[32, 32]])}
+    elif model_type == "aya_vision":  # a SigLIP tower, pixel shuffle, a Cohere 2 with sliding windows
+        config = AutoConfig.for_model(
+            model_type, text_config=dict(text, model_type="cohere2", sliding_window=8,
+                                         layer_types=["sliding_attention", "full_attention"]),
+            vision_config=dict(tower, image_size=32, patch_size=8, model_type="siglip_vision_model"), image_token_id=299,
+            downsample_factor=2, vision_feature_layer=-1,
+        )  # fmt: skip
+        inputs = {"pixel_values": pixels}
     elif model_type == "internvl":  # pixel shuffle
         config = AutoConfig.for_model(model_type, text_config=dict(text, model_type="qwen2"), image_token_id=299,
                                       vision_config=dict(tower, image_size=[32, 32], patch_size=[8, 8]))  # fmt: skip
@@ -599,9 +607,9 @@ def tiny_vlm_with_image(model_type: str) -> tuple[torch.nn.Module, dict]:
     return model, inputs
 
 
-@pytest.mark.parametrize("model_type", ["idefics3", "mistral3", "internvl", "glm4v"])
+@pytest.mark.parametrize("model_type", ["idefics3", "mistral3", "aya_vision", "internvl", "glm4v"])
 def test_image_prompts_across_vlm_families(model_type):
-    """SmolVLM's Idefics 3, Mistral 3, InternVL and GLM-4V: an image prompt in generate() (a draft model
+    """SmolVLM's Idefics 3, Mistral 3, Aya Vision, InternVL and GLM-4V: an image prompt in generate() (a draft model
     that sees the text only: drafts accepted and rejected) and in the engine equals plain generate()."""
     model, image_inputs = tiny_vlm_with_image(model_type)
     image = [297, *[299] * 4, 298] if model_type == "glm4v" else [299] * 4
