@@ -566,7 +566,7 @@ def test_mrope_prompt_ending_with_an_image_refused():
 def tiny_vlm_with_image(model_type: str) -> tuple[torch.nn.Module, dict]:
     """A tiny VLM of `model_type` (a one-layer vision tower on 32-px images, weights at std 0.2 so the
     image changes the reply) and one image's inputs as its processor lays them out. Each family turns
-    the image's 4x4 patches into 4 tokens (id 299; GLM-4V wraps them in 297 / 298)."""
+    the image's 4x4 patches into 4 tokens (id 299; GLM-4V and Llama 4 wrap them in 297 / 298)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     text = dict(TINY, vocab_size=300, num_hidden_layers=2, initializer_range=0.2)
@@ -588,6 +588,14 @@ def tiny_vlm_with_image(model_type: str) -> tuple[torch.nn.Module, dict]:
             downsample_factor=2, vision_feature_layer=-1,
         )  # fmt: skip
         inputs = {"pixel_values": pixels}
+    elif model_type == "llama4":  # chunked attention (8) with a global NoPE layer; MoE
+        text4 = dict(text, model_type="llama4_text", attention_chunk_size=8, no_rope_layers=[1, 0],
+                     intermediate_size_mlp=128, num_local_experts=2, interleave_moe_layer_step=1)  # fmt: skip
+        vision = dict(tower, intermediate_size=128, image_size=32, patch_size=8, vision_output_dim=32,
+                      projector_input_dim=32, projector_output_dim=32, pixel_shuffle_ratio=0.5)  # fmt: skip
+        config = AutoConfig.for_model(model_type, text_config=text4, vision_config=vision, image_token_index=299,
+                                      boi_token_index=297, eoi_token_index=298)  # fmt: skip
+        inputs = {"pixel_values": pixels}
     elif model_type == "internvl":  # pixel shuffle
         config = AutoConfig.for_model(model_type, text_config=dict(text, model_type="qwen2"), image_token_id=299,
                                       vision_config=dict(tower, image_size=[32, 32], patch_size=[8, 8]))  # fmt: skip
@@ -607,12 +615,12 @@ def tiny_vlm_with_image(model_type: str) -> tuple[torch.nn.Module, dict]:
     return model, inputs
 
 
-@pytest.mark.parametrize("model_type", ["idefics3", "mistral3", "aya_vision", "internvl", "glm4v"])
+@pytest.mark.parametrize("model_type", ["idefics3", "mistral3", "aya_vision", "llama4", "internvl", "glm4v"])
 def test_image_prompts_across_vlm_families(model_type):
-    """SmolVLM's Idefics 3, Mistral 3, Aya Vision, InternVL and GLM-4V: an image prompt in generate() (a draft model
+    """SmolVLM's Idefics 3, Mistral 3, Aya Vision, Llama 4, InternVL and GLM-4V: an image prompt in generate() (a draft model
     that sees the text only: drafts accepted and rejected) and in the engine equals plain generate()."""
     model, image_inputs = tiny_vlm_with_image(model_type)
-    image = [297, *[299] * 4, 298] if model_type == "glm4v" else [299] * 4
+    image = [297, *[299] * 4, 298] if model_type in ("glm4v", "llama4") else [299] * 4
     prompt = [2, 5, 6, *image, 7, 8, 9, 10, 11, 7, 8, 9]
     inputs = {"input_ids": torch.tensor([prompt]), "attention_mask": torch.ones(1, len(prompt), dtype=torch.long)}
     if model_type == "glm4v":
