@@ -192,7 +192,7 @@ def draft_folder(tmp_path):
 
 def test_unchanged_draft_folder_is_loaded_once(draft_folder, monkeypatch):
     model, folder = draft_folder
-    loads = LoadCounter(monkeypatch, draft_model.AutoModelForCausalLM, "from_pretrained")
+    loads = LoadCounter(monkeypatch, draft_model, "generation_model_class")
     recorder = DraftRecorder(monkeypatch, DraftModelProposer)
     inputs = repeated_span_batch(2)
     first = recorder.generate(model, inputs, draft_config(folder))
