@@ -554,13 +554,21 @@ def test_layer_skip_drafts_at_the_models_positions_after_an_mrope_image():
 
 
 def test_mrope_prompt_ending_with_an_image_refused():
-    """The token after an image would sit at a different position on each M-RoPE axis."""
+    """The token after an image would sit at a different position on each M-RoPE axis: generate() and
+    the engine's add_request refuse it, as the engine does inputs whose image grids do not fit the prompt."""
     model = tiny_mrope_vlm("qwen2_5_vl")
     prompts, inputs = mrope_image_prompts()
     ending_with_image = {"input_ids": torch.tensor([prompts[0][:8]]), **inputs[0]}
     ending_with_image["mm_token_type_ids"] = ending_with_image["mm_token_type_ids"][:, :8]
     with pytest.raises(ValueError, match=r"model_type='qwen2_5_vl(_text)?': the prompt ends with an image or video token"):
         speculate(model, ending_with_image, 8)
+    engine = hf_specdec.SpeculativeEngine(model, {"method": "ngram"}, max_batch_size=2)  # refused as it is added
+    model_inputs = {k: v for k, v in ending_with_image.items() if k != "input_ids"}
+    with pytest.raises(ValueError, match="the prompt ends with an image or video token"):
+        engine.add_request(prompts[0][:8], model_inputs=model_inputs)
+    with pytest.raises(ValueError, match="model_inputs do not fit the prompt"):  # 8 image tokens, a 4-token grid
+        engine.add_request(prompts[1], model_inputs={**model_inputs, "mm_token_type_ids": (torch.tensor([prompts[1]]) == 299).int()})
+    assert engine.num_waiting == 0
 
 
 def tiny_vlm_with_image(model_type: str) -> tuple[torch.nn.Module, dict]:

@@ -72,7 +72,7 @@ from ..sampling.logits_processing import (
 from .auto_k import controller_for
 from .auto_tree import AutoTreeController
 from .metrics import SpecDecodeMetrics
-from .prefill import check_model_prefill, prefill_with_model
+from .prefill import check_model_prefill, model_positions, prefill_with_model
 from .step import DecodeState, SamplingState, drafter_networks, release_rows, speculative_step
 
 logger = logging.getLogger(__name__)
@@ -322,7 +322,7 @@ class SpeculativeEngine:
             not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
         ):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} or None, got {logprobs!r}")
-        model_inputs = self._check_model_inputs(model_inputs)
+        model_inputs = self._check_model_inputs(model_inputs, prompt)
         constraint = self._request_processors(logits_processor, prompt_width=len(prompt))
         if grammar is not None:
             constraint.append(SpeculativeGrammar([self._check_grammar(grammar)], prompt_width=len(prompt)))
@@ -363,7 +363,7 @@ class SpeculativeEngine:
                     self._check_grammar(compiled)
         return LogitsProcessorList(with_speculative_grammars(LogitsProcessorList(given), 1, prompt_width))
 
-    def _check_model_inputs(self, given: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    def _check_model_inputs(self, given: dict[str, torch.Tensor] | None, prompt: np.ndarray) -> dict[str, torch.Tensor] | None:
         if not given:
             return None
         if not isinstance(given, dict) or not all(
@@ -375,7 +375,13 @@ class SpeculativeEngine:
             raise ValueError(f"model_inputs: {handled} are the engine's own; allowed: the prompt's other inputs "
                              "(pixel_values, token_type_ids, ...)")  # fmt: skip
         check_model_prefill(self.model, given)
-        return {name: value.to(self.model.device) for name, value in given.items()}
+        given = {name: value.to(self.model.device) for name, value in given.items()}
+        prompt_ids = torch.from_numpy(prompt)[None].to(self.model.device)
+        try:  # a prompt the loop cannot continue (one ending with an M-RoPE image) is refused here, not at admission
+            model_positions(self.model, prompt_ids, torch.ones_like(prompt_ids), given)
+        except (IndexError, RuntimeError) as error:  # the index arithmetic on inputs that do not fit the prompt
+            raise ValueError(f"model_inputs do not fit the prompt: {error}") from None
+        return given
 
     def _check_grammar(self, grammar: object) -> object:
         if type(grammar).__name__ != "CompiledGrammar" or not type(grammar).__module__.startswith("xgrammar"):

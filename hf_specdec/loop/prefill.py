@@ -68,10 +68,7 @@ def prefill_with_model(
     batch, width = input_ids.shape
     prompt_lens = attention_mask.sum(dim=1).cpu().numpy().astype(np.int64)
     cached = np.maximum(prompt_lens - 1, 0)
-    if position_ids is None:
-        # transformers' own: a model with M-RoPE overrides it (3-D positions from the image grids)
-        position_ids = model._prepare_position_ids_for_generation(input_ids, {"attention_mask": attention_mask, **inputs})
-    offsets = _position_offsets(model, position_ids, prompt_lens)
+    position_ids, offsets = model_positions(model, input_ids, attention_mask, inputs, position_ids)
     if width < 2:
         return PrefilledRows(cached, offsets)
     own_cache = DynamicCache(config=model.config)
@@ -93,6 +90,20 @@ def prefill_with_model(
         if features is not None:
             features.keep(row, width - 1 - count, count, batch_index=index)
     return PrefilledRows(cached, offsets)
+
+
+def model_positions(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, inputs: dict,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, np.ndarray]:  # fmt: skip
+    """(the prompt's positions as plain generate() gives them, each row's offset of the tokens after it
+    from their token count). `position_ids`: generate()'s own, else computed here as generate() does
+    (index arithmetic: no vision tower runs). Raises ValueError for a prompt the loop cannot continue."""
+    if position_ids is None:
+        # transformers' own: a model with M-RoPE overrides it (3-D positions from the image grids)
+        position_ids = model._prepare_position_ids_for_generation(input_ids, {"attention_mask": attention_mask, **inputs})
+    prompt_lens = attention_mask.sum(dim=1).cpu().numpy().astype(np.int64)
+    return position_ids, _position_offsets(model, position_ids, prompt_lens)
 
 
 def _position_offsets(model: PreTrainedModel, position_ids: torch.Tensor, prompt_lens: np.ndarray) -> np.ndarray:
