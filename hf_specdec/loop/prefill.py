@@ -109,12 +109,15 @@ def model_positions(
 def _position_offsets(model: PreTrainedModel, position_ids: torch.Tensor, prompt_lens: np.ndarray) -> np.ndarray:
     """Per row, the position of the prompt's last token less its token count (0 but after an M-RoPE image).
 
-    `position_ids`: `[batch, width]`, or for M-RoPE `[axes, batch, width]` (transformers puts the text
-    positions first when it gives 4 rows: the 3 M-RoPE axes follow). Raises where the last token's
-    axes differ: the tokens after it would not have one position the loop can feed."""
+    `position_ids`: `[batch, width]`, or for M-RoPE `[rows, batch, width]`: one row per M-RoPE axis
+    (the config's `mrope_section`; 3 where it names none), after a row of text positions when there is
+    one more row (as the models' own forwards read them). Raises where the last token's axes differ:
+    the tokens after it would not have one position the loop can feed."""
     last = position_ids[..., -1].cpu().long()
     if last.ndim == 2:
-        axes = last[1:] if last.shape[0] == 4 else last
+        rope = getattr(model.config.get_text_config(), "rope_parameters", None)
+        num_axes = len((rope or {}).get("mrope_section") or []) if isinstance(rope, dict) else 0
+        axes = last[1:] if last.shape[0] == (num_axes or 3) + 1 else last
         if not bool((axes == axes[0]).all()):
             raise ValueError(
                 f"model_type={model.config.get_text_config().model_type!r}: the prompt ends with an image or video "
