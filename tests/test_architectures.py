@@ -655,3 +655,31 @@ def test_vlm_draft_model_loaded_from_its_folder(tmp_path):
     plain = plain_generate(model, **inputs, max_new_tokens=16, do_sample=False)
     out = speculate(model, inputs, 16, method="draft_model", model=str(tmp_path / "draft"), num_speculative_tokens=3)
     assert torch.equal(out.sequences, plain) and out.spec_metrics["num_accepted_tokens"] > 0
+
+
+def test_hunyuan_vl_image_prompt_with_four_rope_axes():
+    """HunyuanVL's M-RoPE has 4 axes and no row of text positions (sequence, width, height, image
+    index); its image span (8 tokens: rows of pooled patches, row separators, two boundary tokens)
+    leaves the text after it at its token count."""
+    import families
+    from transformers import AutoModelForImageTextToText
+
+    config = families.tiny_config("hunyuan_vl")
+    config.image_token_id, config.initializer_range, config.text_config.initializer_range = 120, 0.2, 0.2
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    prompt = [2, 5, 6, *[120] * 8, 7, 8, 9, 10, 11, 7, 8, 9]
+    input_ids = torch.tensor([prompt])
+    image = {"pixel_values": torch.randn(16, 768, generator=torch.Generator().manual_seed(0)) + 1,
+             "image_grid_thw": torch.tensor([[1, 4, 4]]), "mm_token_type_ids": (input_ids == 120).int()}  # fmt: skip
+    plain = plain_generate(model, input_ids=input_ids, **image, max_new_tokens=20, do_sample=False)
+    other = {**image, "pixel_values": -3 * image["pixel_values"]}
+    assert not torch.equal(plain, plain_generate(model, input_ids=input_ids, **other, max_new_tokens=20, do_sample=False))
+    out = speculate(model, {"input_ids": input_ids, **image}, 20, method="draft_model", model=perturbed_copy(model),
+                    num_speculative_tokens=3)  # fmt: skip
+    assert torch.equal(out.sequences, plain) and out.spec_metrics["num_accepted_tokens"] > 0
+    engine = hf_specdec.SpeculativeEngine(model, {"method": "ngram", "prompt_lookup_min": 1}, max_batch_size=2)
+    request_id = engine.add_request(prompt, {"max_new_tokens": 20, "do_sample": False}, model_inputs=image)
+    finished = {o.request_id: o.token_ids for _ in range(40) for o in engine.step() if o.finished}
+    assert finished[request_id] == plain[0, len(prompt) :].tolist()
