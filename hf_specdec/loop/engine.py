@@ -134,6 +134,7 @@ class _Request:
     num_top_logprobs: int | None = None  # None: no log-probabilities; else the alternatives per token
     draft_sampling: DraftSampling | None = None  # a sampled request's drafts (None: greedy drafts)
     model_inputs: dict[str, torch.Tensor] | None = None  # images and the like, for the model's own prefill
+    position_ids: torch.Tensor | None = None  # the prompt's, as plain generate() gives them (with model_inputs)
     output: list[int] = field(default_factory=list)
 
 
@@ -322,7 +323,7 @@ class SpeculativeEngine:
             not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
         ):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} or None, got {logprobs!r}")
-        model_inputs = self._check_model_inputs(model_inputs, prompt)
+        model_inputs, position_ids = self._check_model_inputs(model_inputs, prompt)
         constraint = self._request_processors(logits_processor, prompt_width=len(prompt))
         if grammar is not None:
             constraint.append(SpeculativeGrammar([self._check_grammar(grammar)], prompt_width=len(prompt)))
@@ -344,7 +345,7 @@ class SpeculativeEngine:
         self._waiting.append(
             _Request(
                 request_id, prompt, max_length, processors, self._stop_checker_for(criteria, eos_token_ids),
-                eos_token_ids, generator, num_blocks, logprobs, draft_sampling, model_inputs,
+                eos_token_ids, generator, num_blocks, logprobs, draft_sampling, model_inputs, position_ids,
             )
         )  # fmt: skip
         return request_id
@@ -363,9 +364,12 @@ class SpeculativeEngine:
                     self._check_grammar(compiled)
         return LogitsProcessorList(with_speculative_grammars(LogitsProcessorList(given), 1, prompt_width))
 
-    def _check_model_inputs(self, given: dict[str, torch.Tensor] | None, prompt: np.ndarray) -> dict[str, torch.Tensor] | None:
+    def _check_model_inputs(
+        self, given: dict[str, torch.Tensor] | None, prompt: np.ndarray
+    ) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
+        """(the inputs on the model's device, the prompt's positions), both None without inputs."""
         if not given:
-            return None
+            return None, None
         if not isinstance(given, dict) or not all(
             isinstance(name, str) and isinstance(value, torch.Tensor) for name, value in given.items()
         ):
@@ -378,10 +382,10 @@ class SpeculativeEngine:
         given = {name: value.to(self.model.device) for name, value in given.items()}
         prompt_ids = torch.from_numpy(prompt)[None].to(self.model.device)
         try:  # a prompt the loop cannot continue (one ending with an M-RoPE image) is refused here, not at admission
-            model_positions(self.model, prompt_ids, torch.ones_like(prompt_ids), given)
+            position_ids, _ = model_positions(self.model, prompt_ids, torch.ones_like(prompt_ids), given)
         except (IndexError, RuntimeError) as error:  # the index arithmetic on inputs that do not fit the prompt
             raise ValueError(f"model_inputs do not fit the prompt: {error}") from None
-        return given
+        return given, position_ids
 
     def _check_grammar(self, grammar: object) -> object:
         if type(grammar).__name__ != "CompiledGrammar" or not type(grammar).__module__.startswith("xgrammar"):
@@ -554,8 +558,8 @@ class SpeculativeEngine:
         prompt = torch.from_numpy(request.prompt)[None].to(self.model.device)
         with torch.no_grad():
             prefilled = prefill_with_model(
-                self.model, prompt, torch.ones_like(prompt), None, request.model_inputs, self.cache, self.hold_capture(),
-                rows=[row],
+                self.model, prompt, torch.ones_like(prompt), request.position_ids, request.model_inputs, self.cache,
+                self.hold_capture(), rows=[row],
             )  # fmt: skip
         self.state.num_cached[row], self.state.position_offsets[row] = prefilled.num_cached[0], prefilled.position_offsets[0]
         if self.k_controller is not None:  # the next steps carry the drafter's catch-up: not decode steps
