@@ -301,7 +301,15 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # Gemma 4: full-attention layers get their own (larger) head_dim through per_layer_config
     "gemma4_text": {"global_head_dim": 32},
     "gemma4_unified_text": {"global_head_dim": 32},
-    "gemma4": {"text_config": {"global_head_dim": 32}},
+    # Gemma 4 as its small checkpoints (E2B / E4B) ship it: the last layers reuse the KV of the last
+    # sliding and full layers before them (the text row above stays without sharing, as the large ones)
+    "gemma4": {
+        "text_config": {
+            "global_head_dim": 32,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "num_kv_shared_layers": 2,
+        }
+    },
     "gemma4_unified": {"text_config": {"global_head_dim": 32}},
     # drafter heads: per-layer inputs off (their configs require it), every layer reads the target's KV
     "gemma4_assistant": {

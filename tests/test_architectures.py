@@ -233,8 +233,9 @@ def test_refusal_comes_before_any_work(monkeypatch):
 
 # --- every drafter on non-Llama families -------------------------------------------------------------
 
-# sliding window + soft-cap, parallel attention / MLP with partial rotary, MoE with QK norms, learned positions
-DRAFTER_FAMILIES = ("gemma2", "gpt_neox", "qwen3_moe", "gpt2")
+# sliding window + soft-cap, parallel attention / MLP with partial rotary, MoE with QK norms, learned
+# positions, layers reusing earlier layers' KV (Gemma 3n; layer_skip keeps one of them)
+DRAFTER_FAMILIES = ("gemma2", "gpt_neox", "qwen3_moe", "gpt2", "gemma3n_text")
 
 
 def smaller_sibling(model_type: str):
@@ -247,6 +248,8 @@ def smaller_sibling(model_type: str):
     for name in ("layer_types", "mlp_layer_types"):
         if getattr(text, name, None) is not None:
             setattr(text, name, list(getattr(text, name))[:1])
+    if getattr(text, "num_kv_shared_layers", 0):
+        text.num_kv_shared_layers = 0
     torch.manual_seed(1)
     return type(families.build_tiny_model(model_type))(config).eval()
 
@@ -266,7 +269,7 @@ def test_model_drafters_on_other_families(model_type):
     plain = plain_generate(model, **inputs, max_new_tokens=24, do_sample=False)
     configs = {
         "draft_model": {"method": "draft_model", "model": smaller_sibling(model_type)},
-        "layer_skip": {"method": "layer_skip", "early_exit_layer": 1},
+        "layer_skip": {"method": "layer_skip", "early_exit_layer": model.config.get_text_config().num_hidden_layers - 1},
         "eagle3": {"method": "eagle3", "model": hf_specdec.EagleHead.for_target(model, "eagle3", seed=0)},
     }
     for name, config in configs.items():
@@ -604,6 +607,17 @@ def tiny_vlm_with_image(model_type: str) -> tuple[torch.nn.Module, dict]:
         config = AutoConfig.for_model(model_type, text_config=text4, vision_config=vision, image_token_index=299,
                                       boi_token_index=297, eoi_token_index=298)  # fmt: skip
         inputs = {"pixel_values": pixels}
+    elif model_type == "gemma4":  # as Gemma 4 E2B / E4B: the last layers reuse earlier layers' KV
+        import families
+
+        text4 = dict(families.tiny_config("gemma4").text_config.to_dict(), vocab_size=300, vocab_size_per_layer_input=300,
+                     initializer_range=0.05)  # fmt: skip  (at 0.2 its replies repeat one token, whatever the image)
+        vision = dict(tower, num_key_value_heads=2, head_dim=16, patch_size=8, pooling_kernel_size=2,
+                      position_embedding_size=16, initializer_range=0.2)
+        config = AutoConfig.for_model(model_type, text_config=text4, vision_config=vision, image_token_id=299)
+        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), dim=-1)
+        patches = pixels.unfold(2, 8, 8).unfold(3, 8, 8).permute(0, 2, 3, 1, 4, 5).reshape(1, 16, 192)
+        inputs = {"pixel_values": patches, "image_position_ids": grid.reshape(1, 16, 2)}
     elif model_type == "internvl":  # pixel shuffle
         config = AutoConfig.for_model(model_type, text_config=dict(text, model_type="qwen2"), image_token_id=299,
                                       vision_config=dict(tower, image_size=[32, 32], patch_size=[8, 8]))  # fmt: skip
@@ -623,10 +637,11 @@ def tiny_vlm_with_image(model_type: str) -> tuple[torch.nn.Module, dict]:
     return model, inputs
 
 
-@pytest.mark.parametrize("model_type", ["idefics3", "mistral3", "aya_vision", "llama4", "internvl", "glm4v"])
+@pytest.mark.parametrize("model_type", ["idefics3", "mistral3", "aya_vision", "llama4", "internvl", "glm4v", "gemma4"])
 def test_image_prompts_across_vlm_families(model_type):
-    """SmolVLM's Idefics 3, Mistral 3, Aya Vision, Llama 4, InternVL and GLM-4V: an image prompt in generate() (a draft model
-    that sees the text only: drafts accepted and rejected) and in the engine equals plain generate()."""
+    """SmolVLM's Idefics 3, Mistral 3, Aya Vision, Llama 4, InternVL, GLM-4V and Gemma 4 (KV shared across
+    layers): an image prompt in generate() (a draft model that sees the text only: drafts accepted and
+    rejected) and in the engine equals plain generate()."""
     model, image_inputs = tiny_vlm_with_image(model_type)
     image = [297, *[299] * 4, 298] if model_type in ("glm4v", "llama4") else [299] * 4
     prompt = [2, 5, 6, *image, 7, 8, 9, 10, 11, 7, 8, 9]

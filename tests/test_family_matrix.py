@@ -5,13 +5,16 @@ image-text-to-text families it does not list, on text prompts: `families.py`), s
 rows. Each family's tiny random model (batch 3, left-padded prompts longer than
 any sliding window, greedy) must give plain `generate()`'s tokens with two drafters: the n-gram
 drafter (k=4: most drafts rejected) and a draft model that is the target with slightly perturbed
-weights (k=3: most drafts accepted), so acceptance and rollback both run on every family, and n-gram
-draft trees (identical, or refused for sliding windows / recurrent state). Or it
+weights (k=3: most drafts accepted), so acceptance and rollback both run on every family; n-gram
+draft trees (identical, or refused for sliding windows / recurrent state); and layer_skip (identical,
+or refused for recurrent state or a decoder it cannot cut). Or it
 must be refused before any work with a ValueError naming its model type and the reason listed in
 `EXPECTED_REFUSALS`; the refused families are printed at the end of the run (`conftest.py`).
 """
 
 from __future__ import annotations
+
+import re
 
 import families
 import pytest
@@ -42,7 +45,6 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "dots3_note_text": "'indexed_attention'",
     "electra": "reads inputs laid out by batch row",
     "ernie": "reads inputs laid out by batch row",
-    "gemma3n_text": "reuse another layer's KV cache",
     "gemma4_unified": "reads inputs laid out by batch row",
     "git": "reads the attention mask itself",
     "glm_moe_dsa": "'indexed_attention'",
@@ -53,7 +55,7 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "inkling2_text": "passes \\['position_bias'\\]",
     "inkling_text": "passes \\['position_bias'\\]",
     "jetmoe": "does not run on the paged KV cache",
-    "kolibri1_1": "reuse another layer's KV cache",
+    "kolibri1_1": "'indexed_attention'",
     "marian": "logits on the paged cache differ",
     "mbart": "logits on the paged cache differ",
     "megatron-bert": "reads the attention mask itself",
@@ -101,6 +103,10 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "unlimited_ocr": "'reference_sliding_attention'",
 }
 
+# why layer_skip may refuse a family the other drafters run: recurrent state it would have to restore,
+# or a decoder that is not one list of num_hidden_layers layers
+LAYER_SKIP_REFUSALS = "restoring the recurrent state|needs one decoder layer per num_hidden_layers|cannot find the decoder layers"
+
 MAX_NEW_TOKENS = 30
 
 
@@ -147,6 +153,15 @@ def test_family_is_exact_or_refused(model_type):
         accepted += out.spec_metrics["num_accepted_tokens"]
         rejected += out.spec_metrics["num_draft_tokens"] - out.spec_metrics["num_accepted_tokens"]
     assert accepted > 0 and rejected > 0, f"accepted {accepted}, rejected {rejected}: the test proves little"
+    # layer_skip (the target's first layers on its own cache): exact too, or refused up front with the reason
+    early_exit = {"method": "layer_skip", "early_exit_layer": model.config.get_text_config().num_hidden_layers - 1}
+    try:
+        out = speculate(model, inputs, MAX_NEW_TOKENS, num_speculative_tokens=3, **early_exit)
+    except ValueError as error:
+        assert re.search(LAYER_SKIP_REFUSALS, str(error)), error
+    else:
+        assert torch.equal(out.sequences, plain), "layer_skip differs from plain generate()"
+        assert out.spec_metrics["num_draft_tokens"] > 0
     # draft trees: exact too, or refused up front with the reason (sliding windows, recurrent state)
     tree = {"method": "ngram", "num_speculative_tokens": 4, "tree": {"num_nodes": 8, "topk": 2}}
     try:

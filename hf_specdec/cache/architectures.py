@@ -107,17 +107,20 @@ def _rollback_problem(model: PreTrainedModel, cache: PagedKVCache, tokens: torch
     return ""
 
 
-def _routing_problem(meta, attention_layers: int, finished: bool) -> str:
-    """'' when the forward's cache writes and paged attention calls add up (so far, when it failed midway)."""
+def _routing_problem(meta, attention_layers: int, reusing_layers: int, finished: bool) -> str:
+    """'' when the forward's cache writes and paged attention calls add up (so far, when it failed
+    midway): one write per attention layer, and attention calls from those and from the layers
+    reusing another layer's cache."""
     calls = 0 if meta is None else meta.scratch.get("attention_calls", 0)
     writes = 0 if meta is None else meta.scratch.get("cache_writes", 0)
+    readers = writes + reusing_layers
     # differential attention (DiffLlama) attends twice to each layer's one write: any multiple is fine
-    calls_per_write = calls // writes if writes and calls % writes == 0 else 0
+    calls_per_reader = calls // readers if readers and calls % readers == 0 else 0
     if not finished:
         return "" if writes <= calls else _not_routed(writes, calls, attention_layers)
     if attention_layers == 0:  # a purely recurrent model (Mamba): no attention to route
         return "" if writes == calls == 0 else _not_routed(writes, calls, attention_layers)
-    if writes == attention_layers and calls_per_write >= 1:
+    if writes == attention_layers and calls_per_reader >= 1:
         return ""
     if writes == 0:
         return "its attention layers never write a KV cache (the model keeps none)"
@@ -196,6 +199,7 @@ def _probe(model: PreTrainedModel) -> str:
     chunks = [(3, 2), (2, 1)]  # tokens each row feeds in the first and second forward
     cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4, max_rollback=2)
     attention_layers = sum(kind in ("full", "sliding", "chunked", "recurrent+attention") for kind, _ in cache.layer_kinds)
+    reusing_layers = sum(kind == "reuse" for kind, _ in cache.layer_kinds)
     paged_logits: list[list[torch.Tensor]] = [[], []]
     keywords: set[str] = set()
     own_mask = False  # whether the model built an attention mask of its own (ALiBi, hand-made masks)
@@ -228,11 +232,11 @@ def _probe(model: PreTrainedModel) -> str:
                     except Exception as error:
                         # a layer that wrote the cache and then did its own attention trips over the paged
                         # pools (or the mask object) right there: say that rather than what it tripped on
-                        routing = _routing_problem(cache.forward_metadata, attention_layers, finished=False)
+                        routing = _routing_problem(cache.forward_metadata, attention_layers, reusing_layers, finished=False)
                         if routing:
                             return routing
                         raise error
-                    routing = _routing_problem(cache.forward_metadata, attention_layers, finished=True)
+                    routing = _routing_problem(cache.forward_metadata, attention_layers, reusing_layers, finished=True)
                     if routing:
                         return routing
                     meta = cache.forward_metadata

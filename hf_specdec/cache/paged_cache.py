@@ -104,23 +104,24 @@ class UnsupportedModelError(ValueError):
 def layer_attention(config) -> list[tuple[str, int | None]]:
     """Per decoder layer, its kind and size: ("full", None), ("sliding", window), ("chunked", chunk),
     ("recurrent", None) for a recurrent / convolution state (`recurrent.py`), ("recurrent+attention",
-    window) for a layer holding both (Zamba, Falcon-H1), ("none", None) for a
-    layer without attention; raises `UnsupportedModelError` for a layer type not implemented here.
+    window) for a layer holding both (Zamba, Falcon-H1), ("reuse", None) for a layer attending to an
+    earlier layer's cache (`kv_sharing_modes`), ("none", None) for a layer without attention; raises
+    `UnsupportedModelError` for a layer type not implemented here.
 
     Read through transformers' own `get_layer_types_and_kwargs`, the function that shapes its
     `DynamicCache`, so a layer is treated here as transformers' cache treats it.
     """
     text = config.get_text_config()
     model_type = getattr(text, "model_type", None)
-    if getattr(text, "kv_sharing_modes", None) is not None and "reuse" in text.kv_sharing_modes:
-        raise UnsupportedModelError(
-            f"model_type={model_type!r} is not supported: some layers reuse another layer's KV cache (kv_sharing_modes); "
-            "the paged cache keeps one pool per layer"
-        )
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    sharing = getattr(text, "kv_sharing_modes", None) or [None] * len(layer_types)
     kinds = []
     for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-        if layer_type in NO_CACHE_LAYER_TYPES or layer_type == "dummy":
+        if sharing[index] == "reuse":
+            # Gemma 3n / Gemma 4: the layer attends to the keys / values an earlier layer's cache write
+            # returned (its whole pool, here) and writes none of its own
+            kinds.append(("reuse", None))
+        elif layer_type in NO_CACHE_LAYER_TYPES or layer_type == "dummy":
             kinds.append(("none", None))
         elif layer_type == "full_attention":
             kinds.append(("full", None))

@@ -164,9 +164,9 @@ class EagleHead(nn.Module):
         `seed` makes the initialisation reproducible without touching the global RNG.
         """
         text = target.config.get_text_config()
-        decoder = LlamaConfig(
-            **{k: getattr(text, k) for k in _SAVED_DECODER_KEYS if getattr(text, k, None) is not None}
-        )
+        sizes = {k: getattr(text, k) for k in _SAVED_DECODER_KEYS if getattr(text, k, None) is not None}
+        # per-layer lists (Gemma 3n's intermediate_size): the head's layer copies the target's first one
+        decoder = LlamaConfig(**{k: v[0] if isinstance(v, (list, tuple)) else v for k, v in sizes.items()})
         decoder.num_hidden_layers = num_layers
         decoder.attention_bias = bool(getattr(text, "attention_bias", False))
         decoder.mlp_bias = bool(getattr(text, "mlp_bias", False))

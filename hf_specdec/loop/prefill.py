@@ -85,6 +85,8 @@ def prefill_with_model(
             continue
         metadata = cache.prepare_forward([row], [count])
         for layer, own in enumerate(own_cache.layers):
+            if own.keys is None:  # a layer without a cache of its own (reusing another's, or MoE / MLP only)
+                continue
             keys, values = _row_states(own.keys, index, count), _row_states(own.values, index, count)
             cache.layers[layer].update(keys, values, metadata=metadata)
         if features is not None:

@@ -70,22 +70,27 @@ def _decoder_and_layers_name(model: nn.Module) -> tuple[nn.Module, str]:
 def first_layers_only(model: nn.Module, num_layers: int) -> Iterator[None]:
     """Run only the first `num_layers` decoder layers (then the final norm and the head).
 
-    Decoder forwards loop over their layer list, some over `layers[: config.num_hidden_layers]`:
-    both are cut for the duration (transformers' `EarlyExitCandidateGenerator` lowers the count).
+    Decoder forwards loop over their layer list (some over `layers[: config.num_hidden_layers]`,
+    which the shorter list cuts too): the list is cut for the duration. The config's count stays:
+    transformers' `EarlyExitCandidateGenerator` lowers it, which breaks models that shape per-layer
+    inputs by it (Gemma 3n and Gemma 4 embed one input per layer of the whole model). A `layer_types`
+    list is cut with the layers: some forwards zip the two (Ergo).
     """
     base, name = _decoder_and_layers_name(model)
     layers = getattr(base, name)
     configs = {id(c): c for c in (model.config.get_text_config(), getattr(base, "config", None)) if c is not None}
-    counts = {key: config.num_hidden_layers for key, config in configs.items()}
+    layer_types = {key: getattr(config, "layer_types", None) for key, config in configs.items()}
     try:
         setattr(base, name, layers[:num_layers])
-        for config in configs.values():
-            config.num_hidden_layers = num_layers
+        for key, config in configs.items():
+            if isinstance(layer_types[key], list):
+                config.layer_types = layer_types[key][:num_layers]
         yield
     finally:
         setattr(base, name, layers)
         for key, config in configs.items():
-            config.num_hidden_layers = counts[key]
+            if isinstance(layer_types[key], list):
+                config.layer_types = layer_types[key]
 
 
 class PendingFeatures:
