@@ -235,7 +235,7 @@ def test_refusal_comes_before_any_work(monkeypatch):
 
 # sliding window + soft-cap, parallel attention / MLP with partial rotary, MoE with QK norms, learned
 # positions, layers reusing earlier layers' KV (Gemma 3n; layer_skip keeps one of them)
-DRAFTER_FAMILIES = ("gemma2", "gpt_neox", "qwen3_moe", "gpt2", "gemma3n_text")
+DRAFTER_FAMILIES = ("gemma2", "gpt_neox", "qwen3_moe", "gpt2", "gemma3n_text", "gemma4_text")
 
 
 def smaller_sibling(model_type: str):

@@ -446,15 +446,36 @@ class PagedKVCache(Cache):
                 raise RuntimeError("a cache with recurrent layers takes one row per forward (forward.run_rows)")
             for index, layer in self.recurrent.layers_of(rows[0]).items():
                 self.layers[index] = layer
-        block_size = self.block_size
         context_lens = np.array([self.seq_lens.get(row, 0) for row in rows], dtype=np.int64)
         new_lens = np.asarray(num_new_tokens, dtype=np.int64)
         seq_lens = context_lens + new_lens
         tables = [self._reserve(row, int(length)) for row, length in zip(rows, seq_lens)]
         for row, length in zip(rows, seq_lens):
             self.seq_lens[row] = int(length)
+        self.forward_metadata = self._describe(tables, context_lens, new_lens, seq_lens, tree_mask)
+        return self.forward_metadata
 
-        num_rows, max_query_len = len(rows), int(new_lens.max())
+    def describe_reads(self, rows: list[int]) -> PagedAttentionMetadata:
+        """A forward of one query per row that reads the row's held keys and writes nothing (a drafter
+        attending to the target's cache: Gemma 4's assistant). Masks see the query at the row's last
+        held position, as the last query of a forward that wrote it (so the kernel's convention holds);
+        the positions the model's rotary embedding takes are the caller's. The rows keep their lengths."""
+        held = np.array([self.seq_lens[row] for row in rows], dtype=np.int64)
+        return self._describe([self.block_tables[row] for row in rows], held - 1, np.ones_like(held), held, None, writes=False)
+
+    def _describe(
+        self,
+        tables: list[list[int]],
+        context_lens: np.ndarray,
+        new_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        tree_mask: np.ndarray | None,
+        writes: bool = True,
+    ) -> PagedAttentionMetadata:
+        """The metadata of a packed forward of `new_lens` queries per row at positions `context_lens`..,
+        over `seq_lens` keys per row (`writes`: each query's key goes to its slot)."""
+        block_size = self.block_size
+        num_rows, max_query_len = len(tables), int(new_lens.max())
         block_table = np.zeros((num_rows, max(len(t) for t in tables)), dtype=np.int64)
         for i, table in enumerate(tables):
             block_table[i, : len(table)] = table
@@ -464,8 +485,10 @@ class PagedKVCache(Cache):
         query_valid = query_offsets[None, :] < new_lens[:, None]
         query_index = np.where(query_valid, query_start_loc[:-1, None] + query_offsets[None, :], 0)
         query_positions = context_lens[:, None] + query_offsets[None, :]
-        valid_rows, valid_positions = np.nonzero(query_valid)[0], query_positions[query_valid]
-        slot_mapping = block_table[valid_rows, valid_positions // block_size] * block_size + valid_positions % block_size
+        slot_mapping = np.zeros(0, dtype=np.int64)
+        if writes:
+            valid_rows, valid_positions = np.nonzero(query_valid)[0], query_positions[query_valid]
+            slot_mapping = block_table[valid_rows, valid_positions // block_size] * block_size + valid_positions % block_size
 
         contiguous_kv = None
         key_span = block_table.shape[1] * block_size
@@ -477,7 +500,7 @@ class PagedKVCache(Cache):
             [slot_mapping, query_start_loc, seq_lens, block_table, query_index.reshape(-1), query_valid, query_positions],
             self.device,
         )
-        self.forward_metadata = PagedAttentionMetadata(
+        return PagedAttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens_t,
@@ -491,7 +514,6 @@ class PagedKVCache(Cache):
             kv_gathered=self.gathered,
             tree_mask=None if tree_mask is None else to_device([tree_mask], self.device)[0],
         )
-        return self.forward_metadata
 
     def move_tokens(self, moves: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
         """For each (row, from, to): the K/V of the row's tokens at positions `from` go to positions

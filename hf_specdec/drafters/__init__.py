@@ -43,8 +43,8 @@ def build_proposer(
 
     Drafters that run a model sample their drafts when `generation_config.do_sample`, warped by
     the position-free processors of `logits_processor` (see `drafting.py`); greedy otherwise.
-    `target_cache`: the loop's `PagedKVCache` for the target, which layer_skip drafts on (required
-    there, unused by the other drafters).
+    `target_cache`: the loop's `PagedKVCache` for the target, which layer_skip drafts on and an MTP
+    assistant (Gemma 4's) reads (required there, unused by the other drafters).
     """
     if config.method == "ngram":
         return NgramProposer(
@@ -86,7 +86,18 @@ def build_proposer(
         )
     if config.method == "mtp":
         from .mtp import MtpProposer, load_mtp_model  # imports transformers' MtpModel: only when used
+        from .mtp_assistant import MtpAssistantProposer, is_mtp_assistant, load_mtp_assistant
 
+        if is_mtp_assistant(config.model):  # an MTP drafter of its own reading the target's KV (Gemma 4's assistant)
+            if target_cache is None:
+                raise ValueError("build_proposer: an assistant model attends to the target's cache; pass target_cache")
+            return MtpAssistantProposer(
+                target_model,
+                load_mtp_assistant(config.model, target_model),
+                target_cache,
+                config.max_draft_tokens,
+                DraftSampling.from_generate(generation_config, logits_processor, config),
+            )
         return MtpProposer(
             target_model,
             load_mtp_model(config.model, target_model),

@@ -62,7 +62,8 @@ def num_mtp_layers_of(target: PreTrainedModel) -> int:
         raise ValueError(
             f"speculative_config.method='mtp' needs a model whose config declares MTP layers (num_mtp_layers >= 1, "
             f"e.g. DeepSeek-V3); this {getattr(config, 'model_type', type(target).__name__)!r} model has "
-            f"num_mtp_layers={count!r}. Use method='draft_model', 'layer_skip' or 'ngram' instead."
+            f"num_mtp_layers={count!r}: pass its assistant model (Gemma 4's) as speculative_config.model if it has "
+            "one, or use method='draft_model', 'layer_skip' or 'ngram'."
         )
     return int(count)
 
@@ -89,7 +90,8 @@ def load_mtp_model(spec: MtpModel | None, target: PreTrainedModel) -> MtpModel:
     if not isinstance(spec, MtpModel):
         raise ValueError(
             "speculative_config.model for method='mtp' must be None (read the MTP layers from the target's "
-            f"checkpoint) or a transformers MtpModel built for the target, got {type(spec).__name__}"
+            "checkpoint), a transformers MtpModel built for the target, or an assistant model (Gemma 4's: a "
+            f"loaded model, its folder or a Hub id in the local cache), got {spec if isinstance(spec, str) else type(spec).__name__!r}"
         )
     if (
         len(spec.layers) != num_layers

@@ -164,9 +164,15 @@ class EagleHead(nn.Module):
         `seed` makes the initialisation reproducible without touching the global RNG.
         """
         text = target.config.get_text_config()
-        sizes = {k: getattr(text, k) for k in _SAVED_DECODER_KEYS if getattr(text, k, None) is not None}
-        # per-layer lists (Gemma 3n's intermediate_size): the head's layer copies the target's first one
-        decoder = LlamaConfig(**{k: v[0] if isinstance(v, (list, tuple)) else v for k, v in sizes.items()})
+        # the head's layer copies the target's first one: heterogeneous configs (Gemma 4's head sizes)
+        # refuse to give a global value, and some sizes are per-layer lists (Gemma 3n's intermediate_size)
+        first = text.per_layer_config[0] if getattr(text, "per_layer_config", None) else text
+        sizes = {k: getattr(first, k) for k in _SAVED_DECODER_KEYS if getattr(first, k, None) is not None}
+        sizes = {k: v[0] if isinstance(v, (list, tuple)) else v for k, v in sizes.items()}
+        rope = sizes.get("rope_parameters")
+        if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type
+            sizes["rope_parameters"] = rope.get("full_attention") or next(iter(rope.values()))
+        decoder = LlamaConfig(**sizes)
         decoder.num_hidden_layers = num_layers
         decoder.attention_bias = bool(getattr(text, "attention_bias", False))
         decoder.mlp_bias = bool(getattr(text, "mlp_bias", False))

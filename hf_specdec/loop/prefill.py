@@ -78,7 +78,12 @@ def prefill_with_model(
     )
     if features is not None:
         features.begin_forward()
-    model(**prepared, **({"logits_to_keep": 1} if takes_logits_to_keep(type(model)) else {}))
+    keep = {}
+    if takes_logits_to_keep(type(model)):
+        # an index tensor, not 1, when hidden states are captured: given an int, models whose last layers
+        # reuse earlier layers' KV (Gemma 3n / 4) run those layers on the last position only
+        keep["logits_to_keep"] = 1 if features is None else torch.tensor([width - 2], device=input_ids.device)
+    model(**prepared, **keep)
     for index, row in enumerate(range(batch) if rows is None else rows):
         count = int(cached[index])
         if count == 0:

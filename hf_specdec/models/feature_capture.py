@@ -143,6 +143,9 @@ class TargetFeatureCapture:
                 raise ValueError(f"hidden_states index {index} is outside [0, {num_layers}] for this model")
         self._modules = {i: (decoder if i == num_layers else decoder_layers[i]) for i in set(self.layers)}
         self._num_layers = num_layers
+        # Gemma 3n's layers pass [altup_num_inputs, batch, tokens, H] stacks (AltUp): the active stream
+        # is the model's hidden state
+        self._stream = getattr(model.config.get_text_config(), "altup_active_idx", None)
         # index -> [batch, tokens, H] pieces of the forwards since `begin_forward` (one per row when a
         # hybrid model's cache runs its rows one at a time: together they are the packed layout)
         self._captured: dict[int, list[torch.Tensor]] = {}
@@ -170,6 +173,8 @@ class TargetFeatureCapture:
     def _input_hook(self, index: int):
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.dim() == 4 and self._stream is not None:
+                hidden = hidden[self._stream]
             self._captured.setdefault(index, []).append(hidden.detach())
 
         return hook
