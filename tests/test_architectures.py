@@ -384,12 +384,22 @@ def test_recurrent_rollback_equals_never_having_fed_the_tokens():
         cache.rollback(0, 3)  # 6 tokens back: more than were recorded
 
 
-def test_layer_skip_on_a_hybrid_model_is_refused():
+@pytest.mark.parametrize("model_type", [*HYBRID_FAMILIES, "zamba2"])
+def test_layer_skip_on_hybrid_models(model_type):
+    """layer_skip advances the early layers' recurrent state as it drafts and crops it back: identical,
+    drafts accepted and rejected (the first step, the whole prompt pending, drafts nothing), at k=5
+    and at k=1 (the rollback record then holds one token: the pending one). Zamba 2: layers whose
+    one cache layer holds recurrent state and attention."""
     import families
 
-    model = families.build_tiny_model("qwen3_next")
-    with pytest.raises(ValueError, match="layer_skip' is not supported for model_type='qwen3_next'"):
-        speculate(model, family_inputs(), 8, method="layer_skip", early_exit_layer=1)
+    model = families.build_tiny_model(model_type)
+    inputs = family_inputs()
+    plain = plain_generate(model, **inputs, max_new_tokens=30, do_sample=False)
+    layers = model.config.get_text_config().num_hidden_layers
+    for k in (5, 1):
+        out = speculate(model, inputs, 30, method="layer_skip", early_exit_layer=layers - 1, num_speculative_tokens=k)
+        accepted, drafted = out.spec_metrics["num_accepted_tokens"], out.spec_metrics["num_draft_tokens"]
+        assert torch.equal(out.sequences, plain) and 0 < accepted < drafted, (k, accepted, drafted)
 
 
 # --- image-text-to-text: the model's own forward prefills, the loop speculates on the text ------------

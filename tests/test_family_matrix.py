@@ -7,7 +7,7 @@ any sliding window, greedy) must give plain `generate()`'s tokens with two draft
 drafter (k=4: most drafts rejected) and a draft model that is the target with slightly perturbed
 weights (k=3: most drafts accepted), so acceptance and rollback both run on every family; n-gram
 draft trees (identical, or refused for sliding windows / recurrent state); and layer_skip (identical,
-or refused for recurrent state or a decoder it cannot cut). Or it
+or refused for a decoder it cannot cut). Or it
 must be refused before any work with a ValueError naming its model type and the reason listed in
 `EXPECTED_REFUSALS`; the refused families are printed at the end of the run (`conftest.py`).
 """
@@ -103,9 +103,9 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "unlimited_ocr": "'reference_sliding_attention'",
 }
 
-# why layer_skip may refuse a family the other drafters run: recurrent state it would have to restore,
-# or a decoder that is not one list of num_hidden_layers layers
-LAYER_SKIP_REFUSALS = "restoring the recurrent state|needs one decoder layer per num_hidden_layers|cannot find the decoder layers"
+# why layer_skip may refuse a family the other drafters run: a decoder that is not one list of
+# num_hidden_layers layers
+LAYER_SKIP_REFUSALS = "needs one decoder layer per num_hidden_layers|cannot find the decoder layers"
 
 MAX_NEW_TOKENS = 30
 

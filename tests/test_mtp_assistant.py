@@ -193,3 +193,22 @@ def test_targets_and_assistants_that_do_not_fit_are_refused():
         speculate(target, inputs, 4, method="mtp", model=narrower)
     with pytest.raises(ValueError, match=r"num_mtp_layers=None: pass its assistant model"):
         speculate(target, inputs, 4, method="mtp", model=build_tiny_llama(0, vocab_size=128))
+
+
+def test_bench_compares_against_transformers_driving_the_same_assistant():
+    """`hf-specdec bench --method mtp --draft <assistant>`: its "transformers" arm hands the assistant
+    to transformers' own generate() (assistant_model), and both arms give plain generate()'s tokens."""
+    from hf_specdec.bench.arms import BenchSettings, build_arms
+    from hf_specdec.bench.runner import _generate
+
+    target = hf_specdec.enable(gemma4_target(damped=True))
+    assistant = gemma4_assistant(target, guesses=True)
+    arms = {arm.name: arm for arm in build_arms(BenchSettings(method="mtp", k=3, draft=assistant, batch_size=1), target)}
+    assert arms["transformers"].generate_kwargs["assistant_model"] is assistant
+    prompt = torch.tensor([long_prompts(1)[0]])
+    plain = plain_generate(target, input_ids=prompt, max_new_tokens=16, do_sample=False)
+    for name in ("transformers", "ours"):
+        kwargs = {"input_ids": prompt, "do_sample": False, "pad_token_id": 0, **arms[name].generate_kwargs}
+        out = _generate(target, arms[name], kwargs, max_new_tokens=16)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        assert torch.equal(sequences, plain), name

@@ -222,6 +222,10 @@ def transformers_option(config: SpeculativeConfig, model: PreTrainedModel) -> di
     if config.method == "layer_skip":
         return {"assistant_early_exit": config.early_exit_layer, **candidates}
     if config.method == "mtp":
+        from ..drafters.mtp_assistant import is_mtp_assistant
+
+        if is_mtp_assistant(config.model):  # Gemma 4's assistant: transformers takes it as assistant_model
+            return {"assistant_model": load_draft_model(config.model, model), **candidates}
         return {"use_mtp": True}
     return None
 

@@ -19,6 +19,12 @@ reads and writes the target's own cache for those layers instead of keeping a co
 
 So the output depends on the target alone (greedy identity holds), and the draft costs no KV
 memory: its extra slots are ones the verify of the same step would reserve anyway.
+
+Hybrid models: the early layers' recurrent / convolution states advance as the draft feeds them, and
+the same rollback crops them back (`recurrent.py`: each row's states record their past, up to the
+k tokens a verify may reject). So a row drafts only while what it would feed (its pending token,
+then every draft but the last) fits in that record: not at its first step, where the whole prompt is
+pending; it catches up there and drafts from the next step on.
 """
 
 from __future__ import annotations
@@ -72,13 +78,6 @@ class LayerSkipProposer:
         num_speculative_tokens: int,
         sampling: DraftSampling | None = None,
     ):
-        if target_cache.one_row_per_forward:
-            model_type = model.config.get_text_config().model_type
-            raise ValueError(
-                f"speculative_config.method='layer_skip' is not supported for model_type={model_type!r}: it drafts on "
-                "the target's own cache, and restoring the recurrent state of the early layers after drafting "
-                "(up to a whole prompt of tokens) is not built; use 'ngram', 'draft_model', 'eagle' or 'eagle3'"
-            )
         self.model = model
         self.cache = target_cache
         self.early_exit_layer = check_early_exit_layer(model, early_exit_layer)
@@ -90,6 +89,9 @@ class LayerSkipProposer:
         # the target cache holds each row's first L tokens (all accepted); the draft feeds the rest
         held = {row: self.cache.seq_lens.get(row, 0) for row in request.rows}
         feeds = [np.asarray(tokens)[held[row] :] for row, tokens in zip(request.rows, request.token_ids)]
+        if self.cache.recurrent is not None:  # what a row feeds must fit in the rollback its states record
+            most = self.cache.recurrent.max_rollback
+            max_draft = [m if len(feed) + m - 1 <= most else 0 for m, feed in zip(max_draft, feeds)]
         try:
             with (
                 torch.no_grad(),

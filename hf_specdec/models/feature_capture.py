@@ -79,18 +79,22 @@ def first_layers_only(model: nn.Module, num_layers: int) -> Iterator[None]:
     base, name = _decoder_and_layers_name(model)
     layers = getattr(base, name)
     configs = {id(c): c for c in (model.config.get_text_config(), getattr(base, "config", None)) if c is not None}
-    layer_types = {key: getattr(config, "layer_types", None) for key, config in configs.items()}
+    cut: dict[int, list] = {}  # config -> its layer_types, for those cut (a property computing them is left)
     try:
         setattr(base, name, layers[:num_layers])
         for key, config in configs.items():
-            if isinstance(layer_types[key], list):
-                config.layer_types = layer_types[key][:num_layers]
+            layer_types = getattr(config, "layer_types", None)
+            if isinstance(layer_types, list):
+                try:
+                    config.layer_types = layer_types[:num_layers]
+                except AttributeError:  # computed from other fields (Mamba 2, Jamba, Bamba): left as it is
+                    continue
+                cut[key] = layer_types
         yield
     finally:
         setattr(base, name, layers)
-        for key, config in configs.items():
-            if isinstance(layer_types[key], list):
-                config.layer_types = layer_types[key]
+        for key, layer_types in cut.items():
+            configs[key].layer_types = layer_types
 
 
 class PendingFeatures:
