@@ -106,9 +106,11 @@ _SIZES: dict[str, Any] = {
     "v_head_dim": 20,
     # partial rotary (codegen / gptj): less than head_dim
     "rotary_dim": 8,
-    # sparse (DSA-style) indexers: top-k below the sequence length so the selection bites
+    # sparse (DSA-style) indexers: top-k below the sequence length so the selection bites; 16 heads,
+    # as with 2 a quarter of the keys score exactly 0 (ReLU'd on both heads) and top-k ties among them
+    # are broken by layout, which even transformers' cached and uncached forwards then do differently
     "index_head_dim": 16,
-    "index_n_heads": 2,
+    "index_n_heads": 16,
     "index_topk": 16,
     # local attention of every flavour
     "sliding_window": SLIDING_WINDOW,
@@ -611,6 +613,9 @@ _TOPK_INDEXER = (
     "(left-padding) positions, which are then attended (with index_topk >= the sequence length padded rows "
     "match the unpadded prompt, up to fp32 near-ties)"
 )
+# families whose plain generate() mistreats left padding only there, where speculation packs rows
+# unpadded: the family matrix compares their rows with each prompt's own plain generate()
+TOPK_INDEXER_FAMILIES = ("axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl")
 # fmt: off
 LEFT_PADDING_NOTES: dict[str, str] = {
     **dict.fromkeys(
@@ -620,9 +625,7 @@ LEFT_PADDING_NOTES: dict[str, str] = {
         ],
         _POSITIONS_FROM_CACHE,
     ),
-    **dict.fromkeys(
-        ["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4"], _TOPK_INDEXER
-    ),
+    **dict.fromkeys(TOPK_INDEXER_FAMILIES, _TOPK_INDEXER),
     "deepseek_v4": "compressed attention (CSA / HCA) pools blocks of key positions, left padding included",
     "reformer": "axial position embeddings and chunked local / LSH attention take no account of left padding",
     "xlnet": "relative positions over the whole (padded) sequence; left padding shifts them",

@@ -198,7 +198,7 @@ def _probe(model: PreTrainedModel) -> str:
     rows = [torch.randint(0, vocab, (5,), generator=generator), torch.randint(0, vocab, (3,), generator=generator)]
     chunks = [(3, 2), (2, 1)]  # tokens each row feeds in the first and second forward
     cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4, max_rollback=2)
-    attention_layers = sum(kind in ("full", "sliding", "chunked", "recurrent+attention") for kind, _ in cache.layer_kinds)
+    attention_layers = sum(kind in ("full", "sliding", "chunked", "indexed", "recurrent+attention") for kind, _ in cache.layer_kinds)
     reusing_layers = sum(kind == "reuse" for kind, _ in cache.layer_kinds)
     paged_logits: list[list[torch.Tensor]] = [[], []]
     keywords: set[str] = set()

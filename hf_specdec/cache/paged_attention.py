@@ -53,10 +53,10 @@ from .paged_cache import PagedAttentionMetadata, active_metadata, gather_rows
 ATTENTION_NAME = "hf_specdec_paged"
 
 # keywords models hand their attention function that select keys the paged path would not
-# (DeepSeek-V3.2's sparse `indices`, T5-style `position_bias`, MiniMax's `block_indices`): refused
-# at once. Every other keyword is recorded per forward, and the architecture probe refuses the
+# (T5-style `position_bias`, MiniMax's `block_indices`): refused at once (DeepSeek-V3.2's sparse
+# `indices` are honoured). Every other keyword is recorded per forward, and the architecture probe refuses the
 # ones that are not plain forward flags (`architectures.py`), so nothing new passes unchecked.
-UNSUPPORTED_KEYWORDS = frozenset({"indices", "position_bias", "block_indices", "attention_chunk_size"})
+UNSUPPORTED_KEYWORDS = frozenset({"position_bias", "block_indices", "attention_chunk_size"})
 
 
 BACKEND_ENV_VAR = "HF_SPECDEC_ATTENTION_BACKEND"
@@ -92,6 +92,20 @@ class ModelMask:
 
     mask_function: Callable
 
+    def __getitem__(self, index) -> torch.Tensor:
+        """The dense mask `[rows, 1, queries, S]` of the forward in progress, indexed: only for models
+        with sparse indexed attention, whose indexer reads its layer's mask as a tensor (DeepSeek-V3.2
+        takes `mask[:, 0]`); those run one row per forward, so the layout is that row's. Other models
+        get the TypeError any non-tensor gives, which the architecture probe reports as a model reading
+        its mask itself."""
+        meta = active_metadata()
+        if meta is None or not meta.indexed:
+            raise TypeError("'ModelMask' object is not subscriptable")
+        dense = meta.attention_mask(self.mask_function)
+        if dense is None:  # nothing hidden
+            dense = torch.ones((1, 1, *meta.query_valid.shape[1:], meta.key_span), dtype=torch.bool, device=meta.seq_lens.device)
+        return dense[index]
+
 
 def paged_mask(*args, mask_function: Callable = causal_mask_function, **kwargs) -> ModelMask:
     """The mask interface of the paged attention (registered with transformers'
@@ -113,11 +127,15 @@ def paged_attention_forward(
     s_aux: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     is_causal: bool | None = None,
+    indices: torch.Tensor | None = None,
     paged_metadata: PagedAttentionMetadata | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query `[1, heads, tokens, dim]`; key / value: the layer's pools `[blocks, block_size, kv_heads, dim]`
     (or, for MLA caches, each row's keys / values `[rows, kv_heads, S, dim]`).
+
+    `indices` (sparse indexed attention, DeepSeek-V3.2): `[1, queries, topk]`, the keys each query
+    may see (of those its mask lets it), chosen by the model's indexer over the row's keys.
 
     Returns `[1, tokens, heads, dim]`, as transformers' attention functions do.
     """
@@ -139,7 +157,7 @@ def paged_attention_forward(
         )
     if "attention_backend" not in meta.scratch:
         meta.scratch["attention_backend"] = attention_backend(query.device)
-    if meta.scratch["attention_backend"] == "triton" and not _KERNEL_FAILED:
+    if meta.scratch["attention_backend"] == "triton" and not _KERNEL_FAILED and indices is None:
         refused = _kernel_refuses(query, key, meta)
         if refused is None:
             try:
@@ -168,6 +186,8 @@ def paged_attention_forward(
         queries = queries.view(num_rows, max_query_len, -1, head_dim).transpose(1, 2)
 
     mask = meta.attention_mask(mask_function)
+    if indices is not None:
+        mask = _with_indices(mask, indices, meta)
     if softcap is None and sink_logits is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != queries.shape[1]
@@ -178,6 +198,19 @@ def paged_attention_forward(
     if meta.query_index is None:
         return out, None
     return out[meta.query_valid].unsqueeze(0), None
+
+
+def _with_indices(mask: torch.Tensor | None, indices: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
+    """`mask` (None: all keys) keeping only the keys each query's `indices` select (one row per forward)."""
+    num_rows, max_query_len = meta.query_valid.shape
+    if num_rows != 1 or indices.shape[-2] != max_query_len:
+        raise UnsupportedAttentionError(
+            f"sparse attention indices of shape {tuple(indices.shape)} for {num_rows} rows of {max_query_len} queries: "
+            "indexed attention runs one row per forward"
+        )
+    selected = torch.zeros((1, 1, max_query_len, meta.key_span), dtype=torch.bool, device=indices.device)
+    selected.scatter_(-1, indices.reshape(1, 1, max_query_len, -1).long(), True)
+    return selected if mask is None else mask & selected
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

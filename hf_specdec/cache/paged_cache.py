@@ -92,8 +92,9 @@ class BlockAllocator:
 # layer types (transformers' `layer_types`) the paged cache holds: attention the paged path
 # reproduces, and the recurrent / convolution states `recurrent.py` rolls back
 SUPPORTED_LAYER_TYPES = (
-    "full_attention", "sliding_attention", "chunked_attention", *RECURRENT_LAYER_TYPES, *RECURRENT_AND_ATTENTION_LAYER_TYPES
-)
+    "full_attention", "sliding_attention", "chunked_attention", "indexed_attention",
+    *RECURRENT_LAYER_TYPES, *RECURRENT_AND_ATTENTION_LAYER_TYPES,
+)  # fmt: skip
 # layer types without any attention or cache (their layers need no pool)
 NO_CACHE_LAYER_TYPES = ("moe", "mlp")
 
@@ -105,7 +106,8 @@ def layer_attention(config) -> list[tuple[str, int | None]]:
     """Per decoder layer, its kind and size: ("full", None), ("sliding", window), ("chunked", chunk),
     ("recurrent", None) for a recurrent / convolution state (`recurrent.py`), ("recurrent+attention",
     window) for a layer holding both (Zamba, Falcon-H1), ("reuse", None) for a layer attending to an
-    earlier layer's cache (`kv_sharing_modes`), ("none", None) for a layer without attention; raises
+    earlier layer's cache (`kv_sharing_modes`), ("indexed", None) for sparse attention over the keys an
+    indexer selects (DeepSeek-V3.2), ("none", None) for a layer without attention; raises
     `UnsupportedModelError` for a layer type not implemented here.
 
     Read through transformers' own `get_layer_types_and_kwargs`, the function that shapes its
@@ -129,6 +131,8 @@ def layer_attention(config) -> list[tuple[str, int | None]]:
             kinds.append(("sliding", int(kwargs["sliding_window"])))
         elif layer_type == "chunked_attention":
             kinds.append(("chunked", int(kwargs["sliding_window"])))
+        elif layer_type == "indexed_attention":
+            kinds.append(("indexed", None))
         elif layer_type in RECURRENT_LAYER_TYPES:
             kinds.append(("recurrent", None))
         elif layer_type in RECURRENT_AND_ATTENTION_LAYER_TYPES:
@@ -184,6 +188,9 @@ class PagedAttentionMetadata:
     contiguous_kv: tuple[int, int] | None = None
     # MLA caches hand attention each row's keys / values already gathered, [rows, heads, S, dim]
     kv_gathered: bool = False
+    # one row of a model with sparse indexed attention: its indexer reads the layer's mask as a tensor
+    # (`ModelMask.__getitem__`)
+    indexed: bool = False
     # gather buffers and masks, built by the first layer that needs them and reused by the others
     scratch: dict = field(default_factory=dict)
 
@@ -250,6 +257,7 @@ class PagedLayer(CacheLayerMixin):
         self.num_blocks, self.block_size, self.gathered = num_blocks, block_size, gathered
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.indexer_keys: torch.Tensor | None = None  # sparse indexed attention's own keys (`update_indexer`)
         self.is_initialized = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -259,6 +267,16 @@ class PagedLayer(CacheLayerMixin):
 
         self.keys, self.values = pool(key_states), pool(value_states)
         self.is_initialized = True
+
+    def update_indexer(self, key_states: torch.Tensor, metadata: PagedAttentionMetadata) -> torch.Tensor:
+        """Sparse indexed attention (DeepSeek-V3.2): write the indexer's keys `[1, tokens, dim]` at the
+        forward's slots, in a pool of their own, and return the row's, `[1, S, dim]` (key j: token j)."""
+        if self.indexer_keys is None:
+            shape = (self.num_blocks, self.block_size, 1, key_states.shape[-1])
+            self.indexer_keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        flat = self.indexer_keys.view(-1, 1, key_states.shape[-1])
+        flat.index_copy_(0, metadata.slot_mapping, key_states[0, :, None].to(flat.dtype))
+        return gather_rows(self.indexer_keys, metadata, "indexer_keys")[:, 0]
 
     def update(self, key_states, value_states, *args, kwargs=None, metadata=None, **extra):
         metadata = metadata or (kwargs or {}).get("paged_metadata") or extra.get("paged_metadata")
@@ -311,7 +329,12 @@ def gather_rows(pool: torch.Tensor, meta: PagedAttentionMetadata, name: str) -> 
 def is_mla(config: PretrainedConfig) -> bool:
     """Whether a config describes multi-head latent attention (its layers cache latents, not K / V)."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(config, "kv_lora_rank", None) is not None and getattr(config, "qk_rope_head_dim", None) is not None
+    # heterogeneous configs (dots.3: its sliding layers have MLA sizes of their own) refuse a global read
+    layers = config.per_layer_config if getattr(config, "per_layer_config", None) else [config]
+    return any(
+        getattr(layer, "kv_lora_rank", None) is not None and getattr(layer, "qk_rope_head_dim", None) is not None
+        for layer in layers
+    )
 
 
 class PagedKVCache(Cache):
@@ -389,8 +412,14 @@ class PagedKVCache(Cache):
 
     @property
     def one_row_per_forward(self) -> bool:
-        """Whether each forward must carry a single row (a hybrid model's recurrent layers: `recurrent.py`)."""
-        return self.recurrent is not None
+        """Whether each forward must carry a single row: a hybrid model's recurrent layers (`recurrent.py`),
+        or sparse indexed attention, whose indexer scores its queries against every key of the batch row
+        it is handed (all rows' keys, packed)."""
+        return self.recurrent is not None or self.indexed
+
+    @property
+    def indexed(self) -> bool:
+        return any(kind == "indexed" for kind, _ in self.layer_kinds or ())
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -441,9 +470,9 @@ class PagedKVCache(Cache):
     ) -> PagedAttentionMetadata:
         """Reserve room for each row's new tokens and describe the packed forward (`tree_mask`:
         `PagedAttentionMetadata.tree_mask`, for drafts laid out as trees)."""
+        if self.one_row_per_forward and len(rows) != 1:
+            raise RuntimeError("a cache with recurrent or indexed layers takes one row per forward (forward.run_rows)")
         if self.recurrent is not None:
-            if len(rows) != 1:
-                raise RuntimeError("a cache with recurrent layers takes one row per forward (forward.run_rows)")
             for index, layer in self.recurrent.layers_of(rows[0]).items():
                 self.layers[index] = layer
         context_lens = np.array([self.seq_lens.get(row, 0) for row in rows], dtype=np.int64)
@@ -453,6 +482,7 @@ class PagedKVCache(Cache):
         for row, length in zip(rows, seq_lens):
             self.seq_lens[row] = int(length)
         self.forward_metadata = self._describe(tables, context_lens, new_lens, seq_lens, tree_mask)
+        self.forward_metadata.indexed = self.indexed
         return self.forward_metadata
 
     def describe_reads(self, rows: list[int]) -> PagedAttentionMetadata:
@@ -527,7 +557,7 @@ class PagedKVCache(Cache):
             for i in (0, 1)
         )
         for layer in self.layers:
-            for pool in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            for pool in (getattr(layer, "keys", None), getattr(layer, "values", None), getattr(layer, "indexer_keys", None)):
                 if pool is not None:
                     flat = pool.view(-1, *pool.shape[-2:])
                     flat.index_copy_(0, target, flat.index_select(0, source))
@@ -543,6 +573,10 @@ class PagedKVCache(Cache):
         given = (kwargs.get("kwargs") or {}).get("paged_metadata") or kwargs.get("paged_metadata")
         metadata = given or self.forward_metadata
         return self.layers[layer_idx].update(key_states, value_states, metadata=metadata)
+
+    def update_indexer(self, key_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> torch.Tensor:
+        """The indexer keys of a sparse indexed attention layer, written and read as `PagedLayer.update_indexer`."""
+        return self.layers[layer_idx].update_indexer(key_states, active_metadata() or self.forward_metadata)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.seq_lens.values(), default=0)

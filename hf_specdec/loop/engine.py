@@ -665,10 +665,15 @@ def _prompt_array(prompt_ids, vocab_size: int) -> np.ndarray:
 
 
 def _check_tree_request(cache: PagedKVCache) -> None:
-    if cache.one_row_per_forward:
+    if cache.recurrent is not None:
         raise ValueError(
             "speculative_config.tree is not supported on models with recurrent layers: their state follows one "
             "path, a tree has many"
+        )
+    if cache.indexed:
+        raise ValueError(
+            "speculative_config.tree is not supported on models with sparse indexed attention yet (their rows run "
+            "one forward each, which tree verification does not do)"
         )
     if any(kind in ("sliding", "chunked") for kind, _ in cache.layer_kinds or ()):
         raise ValueError(

@@ -16,8 +16,8 @@ offset (`DecodeState.position_offsets`); the loop feeds the model 1-D positions,
 over the three axes itself.
 
 What is refused, with the reason: a prompt whose last token has different positions on those axes
-(it ends with an image: the next positions are not one number), and hybrid models (their recurrent
-state would have to be copied per row as well).
+(it ends with an image: the next positions are not one number), hybrid models (their recurrent
+state would have to be copied per row as well) and sparse indexed attention (its indexer keys too).
 """
 
 from __future__ import annotations
@@ -37,12 +37,14 @@ from ..models.feature_capture import TargetFeatureCapture
 
 def check_model_prefill(model: PreTrainedModel, inputs: dict) -> None:
     """ValueError naming the input and the reason when the model's own prefill cannot hand over to the loop."""
-    if any(kind.startswith("recurrent") for kind, _ in layer_attention(model.config)):
-        raise ValueError(
-            f"model inputs {sorted(inputs)} are not supported for model_type="
-            f"{model.config.get_text_config().model_type!r}: handing a hybrid model's recurrent state from its own "
-            "prefill to the speculative loop is not built"
-        )
+    kinds = [kind for kind, _ in layer_attention(model.config)]
+    for held, what in (("recurrent", "a hybrid model's recurrent state"), ("indexed", "a sparse indexer's keys")):
+        if any(kind.startswith(held) for kind in kinds):
+            raise ValueError(
+                f"model inputs {sorted(inputs)} are not supported for model_type="
+                f"{model.config.get_text_config().model_type!r}: handing {what} from its own prefill to the "
+                "speculative loop is not built"
+            )
 
 
 class PrefilledRows(NamedTuple):
