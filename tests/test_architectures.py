@@ -221,12 +221,12 @@ def test_refusal_comes_before_any_work(monkeypatch):
     from hf_specdec.cache import paged_cache
 
     torch.manual_seed(0)
-    config = Qwen2Config(**{**TINY, "num_hidden_layers": 2, "layer_types": ["full_attention", "indexed_attention"]})
-    model = Qwen2ForCausalLM(config).eval()  # a layer kind (sparse indexed attention) the paged cache does not hold
+    config = Qwen2Config(**{**TINY, "num_hidden_layers": 2, "layer_types": ["full_attention", "minimax_m3_sparse"]})
+    model = Qwen2ForCausalLM(config).eval()  # a layer kind the paged cache does not hold
     built = []
     monkeypatch.setattr(paged_cache.PagedKVCache, "for_model", classmethod(lambda cls, *a, **k: built.append(1)))
     inputs = left_padded_batch(long_prompts(2, lengths=(10, 12)))
-    with pytest.raises(ValueError, match=r"model_type='qwen2' is not supported: layer 1 is 'indexed_attention'"):
+    with pytest.raises(ValueError, match=r"model_type='qwen2' is not supported: layer 1 is 'minimax_m3_sparse'"):
         speculate(model, inputs, 5)
     assert not built
 

@@ -89,7 +89,6 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "inkling_mm_model": "passes \\['position_bias'\\]",
     "kosmos-2": "logits on the paged cache differ",
     "kosmos-2.5": "logits on the paged cache differ",
-    "mistral_large4": "not all routed through transformers' AttentionInterface",
     "molmo2": "reads the attention mask itself",
     "paligemma": "bidirectional attention",
     "t5gemma2": "encoder-decoder models are not supported",

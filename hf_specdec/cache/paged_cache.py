@@ -274,7 +274,7 @@ class PagedLayer(CacheLayerMixin):
         if self.indexer_keys is None:
             shape = (self.num_blocks, self.block_size, 1, key_states.shape[-1])
             self.indexer_keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
-        flat = self.indexer_keys.view(-1, 1, key_states.shape[-1])
+        flat = slots_view(self.indexer_keys)
         flat.index_copy_(0, metadata.slot_mapping, key_states[0, :, None].to(flat.dtype))
         return gather_rows(self.indexer_keys, metadata, "indexer_keys")[:, 0]
 
@@ -288,7 +288,7 @@ class PagedLayer(CacheLayerMixin):
         _ACTIVE_METADATA.set(metadata)
         # keys and values may differ in width (MLA latents): each pool is flattened on its own
         for pool, new in ((self.keys, key_states), (self.values, value_states)):
-            flat = pool.view(-1, *pool.shape[-2:])
+            flat = slots_view(pool)
             # [1, heads, tokens, dim] -> [tokens, heads, dim]
             flat.index_copy_(0, metadata.slot_mapping, new[0].transpose(0, 1).to(flat.dtype))
         if self.gathered:
@@ -305,6 +305,12 @@ class PagedLayer(CacheLayerMixin):
         return -1
 
 
+def slots_view(pool: torch.Tensor) -> torch.Tensor:
+    """`[blocks, block_size, heads, dim]` as `[slots, heads, dim]` (sized explicitly: Mistral Large 4's
+    no-RoPE layers cache zero-width rotary keys, which a -1 cannot size)."""
+    return pool.view(pool.shape[0] * pool.shape[1], *pool.shape[2:])
+
+
 def gather_rows(pool: torch.Tensor, meta: PagedAttentionMetadata, name: str) -> torch.Tensor:
     """Each row's slots of `pool` `[blocks, block_size, heads, dim]` as `[rows, heads, S, dim]`.
 
@@ -316,14 +322,14 @@ def gather_rows(pool: torch.Tensor, meta: PagedAttentionMetadata, name: str) -> 
     num_heads, dim = pool.shape[-2:]
     if meta.contiguous_kv is not None:
         start, length = meta.contiguous_kv
-        return pool.view(-1, num_heads, dim)[start : start + length][None].transpose(1, 2)
+        return slots_view(pool)[start : start + length][None].transpose(1, 2)
     num_rows, num_blocks = meta.block_table.shape
     shape = (num_rows * num_blocks, *pool.shape[1:])
     buffer = meta.scratch.get((name, shape, pool.dtype, pool.device))
     if buffer is None:
         buffer = meta.scratch[(name, shape, pool.dtype, pool.device)] = pool.new_empty(shape)
     torch.index_select(pool, 0, meta.block_table.view(-1).to(pool.device), out=buffer)
-    return buffer.view(num_rows, -1, num_heads, dim).transpose(1, 2)
+    return buffer.view(num_rows, num_blocks * pool.shape[1], num_heads, dim).transpose(1, 2)
 
 
 def is_mla(config: PretrainedConfig) -> bool:
@@ -559,7 +565,7 @@ class PagedKVCache(Cache):
         for layer in self.layers:
             for pool in (getattr(layer, "keys", None), getattr(layer, "values", None), getattr(layer, "indexer_keys", None)):
                 if pool is not None:
-                    flat = pool.view(-1, *pool.shape[-2:])
+                    flat = slots_view(pool)
                     flat.index_copy_(0, target, flat.index_select(0, source))
 
     def _slots(self, row: int, positions: np.ndarray) -> np.ndarray:
