@@ -212,3 +212,24 @@ def test_bench_compares_against_transformers_driving_the_same_assistant():
         out = _generate(target, arms[name], kwargs, max_new_tokens=16)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         assert torch.equal(sequences, plain), name
+
+
+def test_assistant_reads_through_the_kernel_as_through_the_reference(monkeypatch):
+    """On CUDA the paged attention runs our Triton kernel (forced here under Triton's interpreter): the
+    assistant's reads (one query per row at its last held position, windows of sliding_window + 1)
+    give the reference path's draft logits, on the kernel and not a silent fallback."""
+    from hf_specdec.cache import paged_attention
+    from hf_specdec.kernels import paged_attention as kernel_module
+
+    target = gemma4_target()
+    assistant = gemma4_assistant(target)
+    prompt = torch.tensor([long_prompts(1)[0]])
+    reference = draft_step_logits(target, assistant, prompt, steps=3)
+    windows = []
+    launch = kernel_module.paged_attention
+    monkeypatch.setattr(kernel_module, "paged_attention", lambda *a, **k: (windows.append(k["window"]), launch(*a, **k))[1])
+    monkeypatch.setenv(paged_attention.BACKEND_ENV_VAR, "triton")
+    kernel = draft_step_logits(target, assistant, prompt, steps=3)
+    for step in range(3):
+        torch.testing.assert_close(kernel[step], reference[step], atol=1e-4, rtol=1e-4)
+    assert SLIDING_WINDOW + 1 in windows  # the assistant's sliding layers ran on the kernel

@@ -76,6 +76,7 @@ KERNEL_FAMILIES = {
     "mistral": ({families.SLIDING_WINDOW}, False, False, False),
     "gemma2": ({None, families.SLIDING_WINDOW}, False, True, False),
     "gpt_oss": ({None, families.SLIDING_WINDOW}, False, False, True),
+    "gemma3n_text": ({None, families.SLIDING_WINDOW}, False, False, False),  # layers reading earlier layers' pools
     "llama4_text": ({None}, True, False, False),
 }
 
