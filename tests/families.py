@@ -303,6 +303,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # Gemma 4: full-attention layers get their own (larger) head_dim through per_layer_config
     "gemma4_text": {"global_head_dim": 32},
     "gemma4_unified_text": {"global_head_dim": 32},
+    # Mistral Large 4: layer 1 reuses layer 0's latents and top-k indices; layer 3 has no RoPE (its
+    # "reuse_but_indexer" layers: `test_architectures.py`)
+    "mistral_large4": {"text_config": {"kv_source_layers": [0, 0, 2, 3], "indexer_types": ["full", "shared", "full", "full"]}},
     # Gemma 4 as its small checkpoints (E2B / E4B) ship it: the last layers reuse the KV of the last
     # sliding and full layers before them (the text row above stays without sharing, as the large ones)
     "gemma4": {
@@ -615,7 +618,9 @@ _TOPK_INDEXER = (
 )
 # families whose plain generate() mistreats left padding only there, where speculation packs rows
 # unpadded: the family matrix compares their rows with each prompt's own plain generate()
-TOPK_INDEXER_FAMILIES = ("axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl")
+TOPK_INDEXER_FAMILIES = (
+    "axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "mistral_large4"
+)
 # fmt: off
 LEFT_PADDING_NOTES: dict[str, str] = {
     **dict.fromkeys(
@@ -860,11 +865,14 @@ def tiny_config(model_type: str, init_scale: float | None = None) -> PreTrainedC
     return _tiny_config(cls, overrides, init_scale)
 
 
-def build_tiny_model(model_type: str, seed: int = 0, init_scale: float | None = None) -> PreTrainedModel:
+def build_tiny_model(
+    model_type: str, seed: int = 0, init_scale: float | None = None, config: PreTrainedConfig | None = None
+) -> PreTrainedModel:
     """A tiny randomly initialised fp32 CPU model (eval mode) of the causal LM class transformers maps
     `model_type` to. Special ids: pad 0, eos 1, bos 2; prompts may use ids 3..127. `init_scale` replaces
-    the family's tuned weight-init scale (initializer_range / init_std / initializer_factor)."""
-    config = tiny_config(model_type, init_scale)
+    the family's tuned weight-init scale (initializer_range / init_std / initializer_factor); `config`:
+    the family's `tiny_config`, changed by the caller."""
+    config = config or tiny_config(model_type, init_scale)
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -402,16 +402,28 @@ def test_layer_skip_on_hybrid_models(model_type):
         assert torch.equal(out.sequences, plain) and 0 < accepted < drafted, (k, accepted, drafted)
 
 
-def test_sparse_indexed_attention_honours_the_indexers_selection(monkeypatch):
-    """DeepSeek-V3.2's sparse attention (each query sees the top 16 of up to 70 keys its indexer
-    scores): each row equals its prompt's plain generate() (plain generate() attends to left padding
-    there, so each prompt runs alone), drafts accepted and rejected; attending to every key instead
-    changes the output, so the selection is honoured, not bypassed."""
+def sparse_attention_model(model_type: str):
+    """A tiny DeepSeek-V3.2, or a Mistral Large 4 whose layer 1 reuses layer 0's latents but runs an
+    indexer of its own ("reuse_but_indexer")."""
     import families
 
+    config = families.tiny_config(model_type)
+    if model_type == "mistral_large4":
+        text = config.get_text_config()
+        text.kv_source_layers, text.indexer_types = [0, 0, 2, 3], ["full"] * 4
+        assert text.kv_sharing_modes[:2] == ["store", "reuse_but_indexer"]
+    return families.build_tiny_model(model_type, config=config)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "mistral_large4"])
+def test_sparse_indexed_attention_honours_the_indexers_selection(model_type, monkeypatch):
+    """Sparse attention (each query sees the top 16 of up to 70 keys its indexer scores): each row
+    equals its prompt's plain generate() (plain generate() attends to left padding there, so each
+    prompt runs alone), drafts accepted and rejected; attending to every key instead changes the
+    output, so the selection is honoured, not bypassed."""
     from hf_specdec.cache import paged_attention
 
-    model = families.build_tiny_model("deepseek_v32")
+    model = sparse_attention_model(model_type)
     prompts = long_prompts(2)  # 31 and 40 tokens: past index_topk
     alone = [plain_generate(model, input_ids=torch.tensor([p]), max_new_tokens=30, do_sample=False)[0, len(p) :] for p in prompts]
     out = speculate(model, left_padded_batch(prompts), 30, method="draft_model", model=perturbed_copy(model), num_speculative_tokens=3)

@@ -119,7 +119,7 @@ def layer_attention(config) -> list[tuple[str, int | None]]:
     sharing = getattr(text, "kv_sharing_modes", None) or [None] * len(layer_types)
     kinds = []
     for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-        if sharing[index] == "reuse":
+        if sharing[index] in ("reuse", "reuse_but_indexer"):  # the latter keeps indexer keys of its own (Mistral Large 4)
             # Gemma 3n / Gemma 4: the layer attends to the keys / values an earlier layer's cache write
             # returned (its whole pool, here) and writes none of its own
             kinds.append(("reuse", None))
