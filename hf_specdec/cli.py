@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--method", required=True, choices=METHODS)
     bench.add_argument(
         "--draft",
-        help="draft model (draft_model) or head (eagle, eagle3): folder or Hub id; 'qwen-coder-0.5b' from PyPI",
+        help="draft model (draft_model), head (eagle, eagle3) or assistant (mtp: Gemma 4's): folder or Hub id; "
+        "'qwen-coder-0.5b' from PyPI",
     )
     bench.add_argument("--early-exit-layer", type=int, help="layer_skip: draft with the first N layers")
     bench.add_argument(
