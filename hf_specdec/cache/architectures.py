@@ -202,7 +202,7 @@ def _probe(model: PreTrainedModel) -> str:
     reusing_layers = sum(kind == "reuse" for kind, _ in cache.layer_kinds)
     paged_logits: list[list[torch.Tensor]] = [[], []]
     keywords: set[str] = set()
-    own_mask = False  # whether the model built an attention mask of its own (ALiBi, hand-made masks)
+    tensor_mask_layers: set = set()  # layers handed a mask the model built itself (ALiBi, hand-made masks)
     layer_masks: dict = {}  # layer index -> the ModelMask its attention got
     was_training = model.training
     model.eval()
@@ -242,13 +242,20 @@ def _probe(model: PreTrainedModel) -> str:
                     meta = cache.forward_metadata
                     keywords |= meta.scratch.get("attention_keywords", set())
                     layer_masks.update(meta.scratch.get("layer_masks", {}))
-                    own_mask |= meta.scratch.get("attention_mask_given", False)
+                    tensor_mask_layers |= meta.scratch.get("tensor_mask_layers", set())
                     for row, piece in enumerate(logits.split(counts)):
                         paged_logits[row].append(piece.float().cpu())
                 if cache.recurrent is not None:
                     rollback_error = _rollback_problem(model, cache, rows[0], paged_logits[0][-1][-1])
                     if rollback_error:
                         return rollback_error
+            if tensor_mask_layers:
+                # the paged attention would replace it; and such a mask may differ from causal only past the
+                # probe's short rows (GLM-5-Next builds one from its indexer's top-k), so no logits check vets it
+                return (
+                    "its layers hand the attention function a mask of their own making (ALiBi, a hand-made or top-k "
+                    "mask) instead of transformers' mask functions, which the paged attention replaces"
+                )
             inconsistent = _mask_disagrees_with_cache(cache.layer_kinds, layer_masks)
             if inconsistent:
                 return inconsistent
@@ -259,13 +266,7 @@ def _probe(model: PreTrainedModel) -> str:
                     "does not implement"
                 )
             if next(model.parameters()).dtype != torch.float32:
-                # half precision: the comparison below would measure rounding, not the structure, so a
-                # mask the model builds itself (which the paged attention replaces) cannot be vetted
-                if own_mask:
-                    return (
-                        "it builds an attention mask of its own (ALiBi or a hand-made mask) that the paged "
-                        "attention replaces; that is only checked on float32 weights"
-                    )
+                # half precision: the comparison below would measure rounding, not the structure
                 return ""
             for row, tokens in enumerate(rows):
                 own = model(input_ids=tokens[None].to(model.device), use_cache=False).logits[0].float().cpu()

@@ -147,8 +147,8 @@ def paged_attention_forward(
     meta.scratch.setdefault("attention_keywords", set()).update(k for k, v in kwargs.items() if v is not None)
     if isinstance(attention_mask, ModelMask):
         meta.scratch.setdefault("layer_masks", {}).setdefault(getattr(module, "layer_idx", None), attention_mask)
-    elif attention_mask is not None:
-        meta.scratch["attention_mask_given"] = True  # a mask the model built itself, not through masking_utils
+    elif attention_mask is not None:  # a mask the model built itself, not through masking_utils
+        meta.scratch.setdefault("tensor_mask_layers", set()).add(getattr(module, "layer_idx", None))
     mask_function = attention_mask.mask_function if isinstance(attention_mask, ModelMask) else None
     sink_logits = s_aux if s_aux is not None else sinks
     if meta.tree_mask is not None and structured_mask(mask_function)[1] is not None:
