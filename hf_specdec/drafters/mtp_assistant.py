@@ -123,10 +123,9 @@ class MtpAssistantProposer:
         # masks see the query at the row's last held position (`describe_reads`): every held key, and in
         # sliding layers the last window + 1 of them, which is what transformers' flipped bidirectional
         # window mask selects from the shared states (checked against it in the tests)
-        self.masks = {
-            "full_attention": ModelMask(causal_mask_function),
-            "sliding_attention": ModelMask(and_masks(causal_mask_function, sliding_window_overlay(window + 1))),
-        }
+        self.masks = {"full_attention": ModelMask(causal_mask_function)}
+        if window is not None:
+            self.masks["sliding_attention"] = ModelMask(and_masks(causal_mask_function, sliding_window_overlay(window + 1)))
         self.picker = DraftTokenPicker(sampling or DraftSampling(), self.device)
         self._last_hidden: dict[int, tuple[int, torch.Tensor]] = {}  # row -> (its position, the target's state there)
 
