@@ -419,16 +419,18 @@ def sparse_attention_model(model_type: str):
 def test_sparse_indexed_attention_honours_the_indexers_selection(model_type, monkeypatch):
     """Sparse attention (each query sees the top 16 of up to 70 keys its indexer scores): each row
     equals its prompt's plain generate() (plain generate() attends to left padding there, so each
-    prompt runs alone), drafts accepted and rejected; attending to every key instead changes the
-    output, so the selection is honoured, not bypassed."""
+    prompt runs alone), drafts accepted and rejected, as chains and as trees; attending to every key
+    instead changes the output, so the selection is honoured, not bypassed."""
     from hf_specdec.cache import paged_attention
 
     model = sparse_attention_model(model_type)
     prompts = long_prompts(2)  # 31 and 40 tokens: past index_topk
     alone = [plain_generate(model, input_ids=torch.tensor([p]), max_new_tokens=30, do_sample=False)[0, len(p) :] for p in prompts]
-    out = speculate(model, left_padded_batch(prompts), 30, method="draft_model", model=perturbed_copy(model), num_speculative_tokens=3)
-    assert all(torch.equal(out.sequences[i, -30:], alone[i]) for i in range(2))
-    assert 0 < out.spec_metrics["num_accepted_tokens"] < out.spec_metrics["num_draft_tokens"]
+    for tree in (None, {"num_nodes": 8, "topk": 2}):  # a draft tree: each row's forward with its own tree mask
+        out = speculate(model, left_padded_batch(prompts), 30, method="draft_model", model=perturbed_copy(model),
+                        num_speculative_tokens=3, tree=tree)  # fmt: skip
+        assert all(torch.equal(out.sequences[i, -30:], alone[i]) for i in range(2)), tree
+        assert 0 < out.spec_metrics["num_accepted_tokens"] < out.spec_metrics["num_draft_tokens"]
     monkeypatch.setattr(paged_attention, "_with_indices", lambda mask, indices, meta: mask)
     every_key = speculate(model, left_padded_batch(prompts), 30, method="ngram", num_speculative_tokens=3)
     assert not all(torch.equal(every_key.sequences[i, -30:], alone[i]) for i in range(2))

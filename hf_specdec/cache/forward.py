@@ -43,11 +43,13 @@ def run_rows(
     if not cache.one_row_per_forward:
         cache.prepare_forward(rows, counts, tree_mask=tree_mask)
         return forward(slice(0, int(sum(counts))), keep)
-    if tree_mask is not None:
+    if tree_mask is not None and cache.recurrent is not None:
         raise ValueError("draft trees are not supported on models with recurrent layers (their state follows one path)")
     outputs, start = [], 0
-    for row, count in zip(rows, counts):
-        cache.prepare_forward([row], [int(count)])
+    for index, (row, count) in enumerate(zip(rows, counts)):
+        # a row's tree mask covers its own last keys: its slice holds for the row alone
+        row_tree = None if tree_mask is None else tree_mask[index : index + 1, : int(count)]
+        cache.prepare_forward([row], [int(count)], tree_mask=row_tree)
         mine = keep[(keep >= start) & (keep < start + count)] - start
         outputs.append(forward(slice(start, start + int(count)), mine))  # run even when nothing is kept: it feeds the state
         start += int(count)

@@ -199,7 +199,7 @@ class DraftModelProposer:
                 token_ids, self.max_length, past_context, self.block_size
             )
             cache = PagedKVCache.for_model(self.model, num_blocks=num_blocks, block_size=self.block_size)
-            if self.tree is not None and cache.one_row_per_forward:
+            if self.tree is not None and cache.recurrent is not None:
                 raise ValueError(
                     "speculative_config.tree is not supported with a draft model that has recurrent layers: "
                     "their state follows one path, a tree has many"

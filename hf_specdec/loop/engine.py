@@ -670,11 +670,6 @@ def _check_tree_request(cache: PagedKVCache) -> None:
             "speculative_config.tree is not supported on models with recurrent layers: their state follows one "
             "path, a tree has many"
         )
-    if cache.indexed:
-        raise ValueError(
-            "speculative_config.tree is not supported on models with sparse indexed attention yet (their rows run "
-            "one forward each, which tree verification does not do)"
-        )
     if any(kind in ("sliding", "chunked") for kind, _ in cache.layer_kinds or ()):
         raise ValueError(
             "speculative_config.tree is not supported on models with sliding-window or chunked attention layers yet "
