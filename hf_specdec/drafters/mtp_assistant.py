@@ -165,8 +165,9 @@ class MtpAssistantProposer:
         max_draft = [min(int(request.max_draft_tokens[i]), self.k) for i in drafting]
         active = list(range(len(drafting)))  # indices into `drafting` of the rows still drafting
         steps = []
+        # the rows' held keys do not change while drafting: one description (and its masks) per set of rows
+        metadata = self.cache.describe_reads(rows)
         while active:
-            metadata = self.cache.describe_reads([rows[j] for j in active])
             logits, hidden = self._forward(tokens, hidden, positions, shared, metadata)
             picked, q = self.picker.pick(logits, [rows[j] for j in active])
             steps.append(([drafting[j] for j in active], picked, q))
@@ -175,6 +176,7 @@ class MtpAssistantProposer:
                 (index,) = to_device([np.array(keep, dtype=np.int64)], self.device)
                 picked, hidden, positions = picked.index_select(0, index), hidden.index_select(0, index), positions.index_select(0, index)
                 active = [active[n] for n in keep]
+                metadata = self.cache.describe_reads([rows[j] for j in active]) if active else None
             tokens = picked
         collect_drafts(steps, drafts, probs)
 
