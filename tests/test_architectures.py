@@ -436,6 +436,19 @@ def test_sparse_indexed_attention_honours_the_indexers_selection(model_type, mon
     assert not all(torch.equal(every_key.sequences[i, -30:], alone[i]) for i in range(2))
 
 
+@pytest.mark.parametrize(("model_type", "held"), [("qwen3_next", "a hybrid model's recurrent state"),
+                                                   ("deepseek_v32", "a sparse indexer's keys")])  # fmt: skip
+def test_model_prefill_refused_where_its_cache_cannot_be_handed_over(model_type, held):
+    """Image (or other non-text) inputs make the model prefill its own cache, which the loop then copies
+    key by key: refused, with the reason, for caches holding more than keys and values."""
+    import families
+
+    from hf_specdec.loop.prefill import check_model_prefill
+
+    with pytest.raises(ValueError, match=rf"model inputs \['pixel_values'\] are not supported .* handing {held}"):
+        check_model_prefill(families.build_tiny_model(model_type), {"pixel_values": torch.zeros(1, 3, 8, 8)})
+
+
 # --- image-text-to-text: the model's own forward prefills, the loop speculates on the text ------------
 
 

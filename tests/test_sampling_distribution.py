@@ -299,3 +299,37 @@ def test_sampling_matches_exact_distribution_on_other_architectures(arch):
     accepted = sum(m["num_accepted_tokens"] for m in metrics)
     assert 0 < accepted < sum(m["num_draft_tokens"] for m in metrics), "drafts all accepted or all rejected"
     assert chi_square_pvalue(samples, exact) > 1e-3
+
+
+def small_vocab_sparse_attention_model(seed: int = 0):
+    """A 16-token DeepSeek-V3.2 whose indexer keeps the top 4 keys: past the 8-token prompt each query
+    attends to a selection, not its whole context."""
+    import families
+
+    config = families.tiny_config("deepseek_v32", init_scale=0.3)
+    config.vocab_size, config.index_topk = SMALL_VOCAB_SIZE, 4
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, None, None
+    model = families.build_tiny_model("deepseek_v32", seed=seed, config=config)
+    model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+    return model
+
+
+def test_sampling_on_sparse_indexed_attention_matches_exact_distribution(monkeypatch):
+    """DeepSeek-V3.2's sparse attention (one row per forward, the indexer's top-k honoured): 2000
+    sampled continuations (fewer than elsewhere: each row is a forward of its own) pass the chi-square
+    test against the enumerated distribution; attending to every key instead of the selected ones
+    fails it. Drafts from a 16-token Llama (packed rows: cheaper), sampled with their q."""
+    from hf_specdec.cache import paged_attention
+
+    model = hf_specdec.enable(small_vocab_sparse_attention_model())
+    sampling = SETTINGS["temperature_topk_topp"]
+    exact = exact_distribution(model, sampling)
+    assert max(exact.values()) < 0.5, "the distribution is nearly deterministic: the test would prove little"
+    config = {"method": "draft_model", "model": build_small_vocab_llama(1), "num_speculative_tokens": 2}
+    samples, metrics = speculative_samples(model, sampling, config, num_samples=2000, seed=99)
+    accepted = sum(m["num_accepted_tokens"] for m in metrics)
+    assert 0 < accepted < sum(m["num_draft_tokens"] for m in metrics), "drafts all accepted or all rejected"
+    assert chi_square_pvalue(samples, exact) > 1e-3
+    monkeypatch.setattr(paged_attention, "_with_indices", lambda mask, indices, meta: mask)
+    samples, _ = speculative_samples(model, sampling, config, num_samples=2000, seed=99)
+    assert chi_square_pvalue(samples, exact) < 1e-3
