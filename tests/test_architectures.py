@@ -26,6 +26,7 @@ from transformers import (
 
 import hf_specdec
 from hf_specdec.cache.architectures import UnsupportedModelError, check_architecture
+from hf_specdec.cache.own_attention import runs_own_attention
 
 TINY = dict(
     vocab_size=128,
@@ -172,19 +173,26 @@ def test_gpt_oss_sinks_and_experts_match_plain():
 # --- refusals --------------------------------------------------------------------------------------
 
 
-def test_attention_outside_the_interface_is_refused():
+def test_attention_outside_the_interface_runs_on_its_own():
     """BLOOM writes its cache through transformers' Cache but computes attention (with ALiBi) itself: the
-    probe counts the cache writes and the paged attention calls and refuses it."""
+    paged probe counts the cache writes and the paged attention calls and finds them apart, so the model
+    runs on its own attention and cache instead (`test_own_attention.py`)."""
     from transformers import BloomConfig, BloomForCausalLM
+
+    from hf_specdec.cache import architectures
 
     torch.manual_seed(0)
     model = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4)).eval()
-    with pytest.raises(UnsupportedModelError, match=r"model_type='bloom'.*not all routed through transformers' AttentionInterface"):
-        check_architecture(model)
+    assert "not all routed through transformers' AttentionInterface" in architectures._probe(model)
+    check_architecture(model)
+    assert runs_own_attention(model)
 
 
-def test_unknown_attention_keyword_is_refused(monkeypatch):
-    """An attention layer handing its attention function a keyword the paged path does not know."""
+def test_unknown_attention_keyword_sends_the_model_to_its_own_attention(monkeypatch):
+    """An attention layer handing its attention function a keyword the paged path does not know: the
+    paged probe names it, and the model runs on its own attention, which gets the keyword."""
+    from hf_specdec.cache import architectures
+
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY, num_hidden_layers=2)).eval()
     attention_forward = type(model.model.layers[0].self_attn).forward
@@ -193,8 +201,9 @@ def test_unknown_attention_keyword_is_refused(monkeypatch):
         return attention_forward(self, *args, experimental_bias=torch.zeros(1), **kwargs)
 
     monkeypatch.setattr(type(model.model.layers[0].self_attn), "forward", forward_with_extra)
-    with pytest.raises(UnsupportedModelError, match=r"experimental_bias"):
-        check_architecture(model)
+    assert "experimental_bias" in architectures._probe(model)
+    check_architecture(model)
+    assert runs_own_attention(model)
 
 
 def test_attention_the_paged_path_would_get_wrong_is_refused(monkeypatch):
@@ -321,6 +330,10 @@ def test_mtp_on_every_family_with_mtp_layers(model_type):
         for name, parameter in mtp.layers.named_parameters():
             parameter.fill_(1.0) if "norm" in name else parameter.normal_(0.0, 0.05)
     inputs = family_inputs()
+    if runs_own_attention(model):  # its layers, and so its MTP layers, need their own attention
+        with pytest.raises(ValueError, match="method='mtp' is not supported for this model: it runs on its own attention"):
+            speculate(model, inputs, 20, method="mtp", model=mtp, num_speculative_tokens=3)
+        return
     plain = plain_generate(model, **inputs, max_new_tokens=20, do_sample=False)
     out = speculate(model, inputs, 20, method="mtp", model=mtp, num_speculative_tokens=3)
     assert torch.equal(out.sequences, plain)

@@ -333,3 +333,42 @@ def test_sampling_on_sparse_indexed_attention_matches_exact_distribution(monkeyp
     monkeypatch.setattr(paged_attention, "_with_indices", lambda mask, indices, meta: mask)
     samples, _ = speculative_samples(model, sampling, config, num_samples=2000, seed=99)
     assert chi_square_pvalue(samples, exact) < 1e-3
+
+
+def small_vocab_bloom(seed: int = 0):
+    """A 16-token BLOOM (ALiBi, attention computed in its layers): it runs on its own attention and cache."""
+    import families
+
+    config = families.tiny_config("bloom", init_scale=0.3)
+    config.vocab_size, config.pad_token_id, config.eos_token_id, config.bos_token_id = SMALL_VOCAB_SIZE, 0, None, None
+    model = families.build_tiny_model("bloom", seed=seed, config=config)
+    model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+    return model
+
+
+def test_sampling_on_own_attention_matches_exact_distribution(monkeypatch):
+    """A model on its own attention and `DynamicCache` (one row per forward, rolled back by cropping):
+    2000 sampled continuations pass the chi-square test against the enumerated distribution; with the
+    rejected drafts' keys kept by the rollback (the oldest cropped instead) they fail it. Drafts from a 16-token Llama, sampled with their q."""
+    from transformers.cache_utils import DynamicLayer
+
+    from hf_specdec.cache.own_attention import runs_own_attention
+
+    model = hf_specdec.enable(small_vocab_bloom())
+    sampling = SETTINGS["temperature_topk_topp"]
+    exact = exact_distribution(model, sampling)
+    assert max(exact.values()) < 0.5, "the distribution is nearly deterministic: the test would prove little"
+    config = {"method": "draft_model", "model": build_small_vocab_llama(1), "num_speculative_tokens": 2}
+    samples, metrics = speculative_samples(model, sampling, config, num_samples=2000, seed=5)
+    assert runs_own_attention(model)
+    accepted = sum(m["num_accepted_tokens"] for m in metrics)
+    assert 0 < accepted < sum(m["num_draft_tokens"] for m in metrics), "drafts all accepted or all rejected"
+    assert chi_square_pvalue(samples, exact) > 1e-3
+
+    def crop_the_oldest(layer, tokens_to_remove: int) -> None:  # the right length, the rejected drafts' keys kept
+        if tokens_to_remove < 0:
+            layer.keys, layer.values = layer.keys[..., -tokens_to_remove:, :], layer.values[..., -tokens_to_remove:, :]
+
+    monkeypatch.setattr(DynamicLayer, "crop", crop_the_oldest)
+    samples, _ = speculative_samples(model, sampling, config, num_samples=2000, seed=5)
+    assert chi_square_pvalue(samples, exact) < 1e-3

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from transformers import PreTrainedModel
 from transformers.utils.generic import TransformersKwargs
 
 from .forward import forward_tokens
+from .own_attention import OwnAttentionCache, mark_own_attention
 from .paged_attention import (
     ModelInUseError,
     UnsupportedAttentionError,
@@ -53,23 +55,47 @@ def check_architecture(model: PreTrainedModel, role: str = "target") -> None:
 
 
 def _verdict(model: PreTrainedModel) -> str:
-    """'' when supported, else why not."""
+    """'' when supported (on the paged path, or else on the model's own attention), else why not."""
     config = model.config
     text = config.get_text_config()
     model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
     try:
         problem = _static_reason(model, config, text)
-        if not problem:
-            problem = _probe(model)
-    except (UnsupportedModelError, UnsupportedAttentionError, UnsupportedMaskError) as error:
+    except UnsupportedModelError as error:
         problem = str(error)
-    except ModelInUseError:  # says nothing about the model: no verdict is kept
-        raise
-    except Exception as error:  # anything a forward on the paged cache raises means it does not fit
-        problem = f"its forward does not run on the paged KV cache ({type(error).__name__}: {error})"
+    if not problem:
+        try:
+            problem = _checked(_probe, model, "its forward does not run on the paged KV cache")
+        except _NoFallback as error:
+            problem = str(error)
+        else:
+            if problem:
+                own_problem = _checked(_own_attention_problem, model, "its forward does not run on its own cache")
+                if not own_problem:
+                    mark_own_attention(model)
+                    return ""
+                problem = f"{problem}; on its own attention and cache: {own_problem}"
     if not problem:
         return ""
     return problem if problem.startswith("model_type=") else f"model_type={model_type!r} is not supported: {problem}"
+
+
+class _NoFallback(UnsupportedModelError):
+    """A reason the paged probe found that the model's own attention would not fix either."""
+
+
+def _checked(probe: Callable[[PreTrainedModel], str], model: PreTrainedModel, failing: str) -> str:
+    """`probe(model)`, with what it raises as the reason (`failing`, then the error)."""
+    try:
+        return probe(model)
+    except _NoFallback:
+        raise
+    except (UnsupportedModelError, UnsupportedAttentionError, UnsupportedMaskError) as error:
+        return str(error)
+    except ModelInUseError:  # says nothing about the model: no verdict is kept
+        raise
+    except Exception as error:  # anything a forward raises there means it does not fit
+        return f"{failing} ({type(error).__name__}: {error})"
 
 
 def _static_reason(model: PreTrainedModel, config, text) -> str:
@@ -159,18 +185,23 @@ def _mask_disagrees_with_cache(layer_kinds: list, layer_masks: dict) -> str:
 
 
 def _left_padding_problem(model: PreTrainedModel, tokens: torch.Tensor, own: torch.Tensor) -> str:
-    """A forward that takes no position_ids gets none from plain generate(): the model counts positions
-    itself. Where left padding shifts them (Whisper's decoder counts from the cache length), a padded
-    row of plain generate()'s batch reads differently from the row alone, which the loop gives."""
+    """'' when a left-padded row of plain generate()'s batch reads as the row alone, which the loop gives.
+    A forward that takes no position_ids counts positions itself, and left padding may shift them
+    (Whisper's decoder counts from the cache length); one that takes them may still read the padding
+    (GIT, on its own attention: checked there)."""
     pad = int(model.generation_config.pad_token_id or 0)
     padded = torch.cat([torch.full((2,), pad, dtype=tokens.dtype), tokens])[None].to(model.device)
     mask = torch.cat([torch.zeros(2, dtype=torch.long), torch.ones(len(tokens), dtype=torch.long)])[None].to(model.device)
-    logits = model(input_ids=padded, attention_mask=mask, use_cache=False).logits[0, 2:].float().cpu()
+    positions = {}
+    if "position_ids" in _forward_parameters(model):  # as plain generate() gives them (`prepare_inputs_for_generation`)
+        positions["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    logits = model(input_ids=padded, attention_mask=mask, use_cache=False, **positions).logits[0, 2:].float().cpu()
     error = float((logits - own).abs().max())
     if error > PROBE_TOLERANCE * (1.0 + float(own.abs().max())):
+        takes = "takes position_ids" if positions else "takes no position_ids"
         return (
-            f"its forward takes no position_ids and left padding changes its logits by {error:.3g} (float32): the "
-            "positions it counts itself include the padding, so plain generate() gives a padded row other tokens"
+            f"its forward {takes} and left padding changes its logits by {error:.3g} (float32): plain generate() gives "
+            "a padded row other tokens than the row alone"
         )
     return ""
 
@@ -192,11 +223,7 @@ def _passed_through(model: PreTrainedModel) -> set[str]:
 def _probe(model: PreTrainedModel) -> str:
     """Two packed forwards on a scratch cache (two rows: 3 + 2 tokens, then 2 + 1), checked
     against the model's own forward; '' when they agree, else what went wrong."""
-    config = model.config.get_text_config()
-    vocab = int(getattr(config, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
-    generator = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, vocab, (5,), generator=generator), torch.randint(0, vocab, (3,), generator=generator)]
-    chunks = [(3, 2), (2, 1)]  # tokens each row feeds in the first and second forward
+    rows = _probe_rows(model)
     cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4, max_rollback=2)
     attention_layers = sum(kind in ("full", "sliding", "chunked", "indexed", "recurrent+attention") for kind, _ in cache.layer_kinds)
     reusing_layers = sum(kind == "reuse" for kind, _ in cache.layer_kinds)
@@ -211,15 +238,9 @@ def _probe(model: PreTrainedModel) -> str:
         with torch.no_grad(), held_by_this_thread(model):
             with use_paged_attention(model):
                 for step in range(2):
-                    starts = [sum(c[:step]) for c in chunks]
-                    counts = [c[step] for c in chunks]
-                    ids = torch.cat([r[s : s + n] for r, s, n in zip(rows, starts, counts)])
-                    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
+                    counts = [c[step] for c in PROBE_CHUNKS]
                     try:
-                        logits = forward_tokens(
-                            model, cache, [0, 1], counts, ids.to(model.device), positions.to(model.device),
-                            np.arange(sum(counts)),
-                        )
+                        logits = _probe_forward(model, cache, rows, step)
                     except (UnsupportedAttentionError, UnsupportedMaskError):
                         raise
                     except (AttributeError, TypeError) as error:
@@ -257,28 +278,116 @@ def _probe(model: PreTrainedModel) -> str:
                     "mask) instead of transformers' mask functions, which the paged attention replaces"
                 )
             inconsistent = _mask_disagrees_with_cache(cache.layer_kinds, layer_masks)
-            if inconsistent:
-                return inconsistent
+            if inconsistent:  # its own cache drops those keys while decoding only, as in plain generate()
+                raise _NoFallback(inconsistent)
             unknown = sorted(keywords - _passed_through(model) - {"paged_metadata"})
             if unknown:
                 return (
                     f"its attention layers pass {unknown} to the attention function, which the paged attention "
                     "does not implement"
                 )
-            if next(model.parameters()).dtype != torch.float32:
-                # half precision: the comparison below would measure rounding, not the structure
-                return ""
-            for row, tokens in enumerate(rows):
-                own = model(input_ids=tokens[None].to(model.device), use_cache=False).logits[0].float().cpu()
-                paged = torch.cat(paged_logits[row])
-                error = float((own - paged).abs().max())
-                if error > PROBE_TOLERANCE * (1.0 + float(own.abs().max())):
-                    return (
-                        f"its logits on the paged cache differ from its own forward by {error:.3g} (float32): "
-                        "its attention depends on something the paged attention does not reproduce"
-                    )
-            if "position_ids" not in _forward_parameters(model):
-                return _left_padding_problem(model, rows[1], own)
+            return _logits_problem(model, rows, paged_logits, "on the paged cache")
     finally:
         model.train(was_training)
+
+
+# the probes' rows: 5 and 3 tokens, fed in two forwards of these many tokens each
+PROBE_LENGTHS, PROBE_CHUNKS = (5, 3), ((3, 2), (2, 1))
+
+
+def _probe_rows(model: PreTrainedModel) -> list[torch.Tensor]:
+    config = model.config.get_text_config()
+    vocab = int(getattr(config, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=generator) for n in PROBE_LENGTHS]
+
+
+def _probe_forward(model: PreTrainedModel, cache: PagedKVCache, rows: list[torch.Tensor], step: int) -> torch.Tensor:
+    """Every position's logits of the probe's forward `step` (0, 1) over both rows."""
+    starts = [sum(c[:step]) for c in PROBE_CHUNKS]
+    counts = [c[step] for c in PROBE_CHUNKS]
+    ids = torch.cat([r[s : s + n] for r, s, n in zip(rows, starts, counts)])
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
+    return forward_tokens(
+        model, cache, [0, 1], counts, ids.to(model.device), positions.to(model.device), np.arange(sum(counts))
+    )
+
+
+def _logits_problem(model: PreTrainedModel, rows: list[torch.Tensor], fed_logits: list[list[torch.Tensor]], where: str) -> str:
+    """'' when each row's logits fed in pieces `where` equal the model's own forward over the row (float32;
+    other dtypes are not compared: rounding, not structure), and left padding is no problem."""
+    if next(model.parameters()).dtype != torch.float32:
+        return ""
+    for row, tokens in enumerate(rows):
+        own = model(input_ids=tokens[None].to(model.device), use_cache=False).logits[0].float().cpu()
+        fed = torch.cat(fed_logits[row])
+        error = float((own - fed).abs().max())
+        if error > PROBE_TOLERANCE * (1.0 + float(own.abs().max())):
+            return (
+                f"its logits {where} differ from its own forward by {error:.3g} (float32): its attention depends on "
+                f"something {where} does not reproduce"
+            )
+    if "position_ids" not in _forward_parameters(model):
+        return _left_padding_problem(model, rows[1], own)
     return ""
+
+
+def _padded_generate_problem(model: PreTrainedModel, rows: list[torch.Tensor], steps: int = 3) -> str:
+    """'' when plain generate() gives each row of a left-padded batch the logits it gives the row alone
+    (`steps` greedy steps), as the loop does: one row per forward, no padding in it. Some models read the
+    padding while decoding from their cache (GIT) though a padded forward without one does not."""
+    pad = int(model.generation_config.pad_token_id or 0)
+    width = max(len(r) for r in rows)
+    options = dict(
+        max_new_tokens=steps, min_new_tokens=steps, do_sample=False, num_beams=1, output_logits=True,
+        return_dict_in_generate=True, pad_token_id=pad,
+    )  # fmt: skip
+    ids = torch.stack([torch.cat([torch.full((width - len(r),), pad, dtype=r.dtype), r]) for r in rows]).to(model.device)
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r) for r in rows])[:, None]).long().to(model.device)
+    batch = torch.stack(model.generate(input_ids=ids, attention_mask=mask, **options).logits, dim=1).float().cpu()
+    for index, row in enumerate(rows):
+        alone_ids = row[None].to(model.device)
+        alone = model.generate(input_ids=alone_ids, attention_mask=torch.ones_like(alone_ids), **options).logits
+        alone = torch.stack(alone, dim=1)[0].float().cpu()
+        error = float((batch[index] - alone).abs().max())
+        if error > PROBE_TOLERANCE * (1.0 + float(alone.abs().max())):
+            return (
+                f"plain generate() gives a left-padded row other logits than the row alone (by {error:.3g}, float32); "
+                "on its own attention each row runs alone"
+            )
+    return ""
+
+
+def _own_attention_problem(model: PreTrainedModel) -> str:
+    """The probe on the model's own attention and a `DynamicCache` per row (`OwnAttentionCache`, one row
+    per forward): the same two forwards, then row 0 rolled back by one token and that token fed
+    again, must give the model's own forward's logits; '' when they do."""
+    rows = _probe_rows(model)
+    cache = OwnAttentionCache(
+        model, max_rollback=2, num_layers=model.config.get_text_config().num_hidden_layers, num_blocks=8, block_size=4,
+        device=model.device,
+    )  # fmt: skip
+    fed_logits: list[list[torch.Tensor]] = [[], []]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), held_by_this_thread(model):
+            for step in range(2):
+                logits = _probe_forward(model, cache, rows, step)
+                for row, piece in enumerate(logits.split([c[step] for c in PROBE_CHUNKS])):
+                    fed_logits[row].append(piece.float().cpu())
+            length = PROBE_LENGTHS[0]
+            cache.rollback(0, length - 1)
+            again = forward_tokens(
+                model, cache, [0], [1], rows[0][-1:].to(model.device), torch.tensor([length - 1], device=model.device),
+                np.arange(1),
+            ).float().cpu()  # fmt: skip
+            problem = _logits_problem(model, rows, fed_logits, "on its own cache")
+            if problem or next(model.parameters()).dtype != torch.float32:
+                return problem
+            error = float((again[0] - fed_logits[0][-1][-1]).abs().max())
+            if error > PROBE_TOLERANCE * (1.0 + float(again.abs().max())):
+                return f"rolling its own cache back one token changes its logits by {error:.3g} (float32)"
+            return _padded_generate_problem(model, rows)
+    finally:
+        model.train(was_training)

@@ -48,6 +48,7 @@ from transformers.masking_utils import (
     sliding_window_overlay,
 )
 
+from .own_attention import runs_own_attention
 from .paged_cache import PagedAttentionMetadata, active_metadata, gather_rows
 
 ATTENTION_NAME = "hf_specdec_paged"
@@ -413,6 +414,9 @@ def use_paged_attention(model: PreTrainedModel) -> Iterator[None]:
     than left to run on the other's attention, or to restore the wrong setting.
     """
     with held_by_this_thread(model):
+        if runs_own_attention(model):  # it keeps its own attention (`own_attention.py`)
+            yield
+            return
         configs = _attention_configs(model)
         previous = [config._attn_implementation for config in configs]
         try:

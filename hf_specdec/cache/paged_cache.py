@@ -404,8 +404,16 @@ class PagedKVCache(Cache):
     ) -> PagedKVCache:
         """A pool for `model`'s attention layers, on its device (MLA models: latents, gathered), with
         each layer's attention kind, and per-row states for its recurrent layers that one rollback may
-        take back by up to `max_rollback` tokens; `UnsupportedModelError` for a layer type it cannot hold."""
+        take back by up to `max_rollback` tokens; `UnsupportedModelError` for a layer type it cannot hold.
+        A model that runs on its own attention (`own_attention.py`) gets an `OwnAttentionCache`."""
         config = model.config.get_text_config()
+        from .own_attention import OwnAttentionCache, runs_own_attention  # it subclasses this one
+
+        if runs_own_attention(model):
+            return OwnAttentionCache(
+                model, max_rollback, num_layers=num_layers or config.num_hidden_layers, num_blocks=num_blocks,
+                block_size=block_size, device=model.device, layer_kinds=layer_attention(config),
+            )  # fmt: skip
         return cls(
             num_layers=num_layers or config.num_hidden_layers,
             num_blocks=num_blocks,
@@ -422,6 +430,11 @@ class PagedKVCache(Cache):
         or sparse indexed attention, whose indexer scores its queries against every key of the batch row
         it is handed (all rows' keys, packed)."""
         return self.recurrent is not None or self.indexed
+
+    @property
+    def rollback_reach(self) -> int | None:
+        """How many tokens one rollback may take back at most (recurrent states record that much); None: any."""
+        return self.recurrent.max_rollback if self.recurrent is not None else None
 
     @property
     def indexed(self) -> bool:
@@ -586,6 +599,10 @@ class PagedKVCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.seq_lens.values(), default=0)
+
+    def model_inputs(self) -> dict:
+        """What the model's forward takes besides its tokens: this cache (an `OwnAttentionCache` hands the row's own)."""
+        return {"cache": self}
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("PagedKVCache rolls back per row: use rollback(row, num_tokens)")

@@ -6,6 +6,7 @@ import dataclasses
 
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
+from ..cache.own_attention import runs_own_attention
 from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
 from .base import DraftProposal, Proposer, ProposeRequest
@@ -97,6 +98,11 @@ def build_proposer(
                 target_cache,
                 config.max_draft_tokens,
                 DraftSampling.from_generate(generation_config, logits_processor, config),
+            )
+        if runs_own_attention(target_model):
+            raise ValueError(
+                "speculative_config.method='mtp' is not supported for this model: it runs on its own attention (the "
+                "paged attention cannot run its layers), and its MTP layers, built like them, would run on the paged one"
             )
         return MtpProposer(
             target_model,

@@ -53,6 +53,12 @@ def check_early_exit_layer(model: PreTrainedModel, early_exit_layer: int | None)
             f"speculative_config.method='layer_skip' needs one decoder layer per num_hidden_layers; "
             f"{type(model).__name__} lists {len(decoder_parts(model)[0])} for num_hidden_layers={num_layers}"
         )
+    loops = getattr(model.config.get_text_config(), "n_recurrent_loops", None)
+    if loops and loops > 1:  # Dory: its middle layers run again and again, its last ones counted from the end
+        raise ValueError(
+            f"speculative_config.method='layer_skip' needs one decoder layer per num_hidden_layers, each run once; "
+            f"{type(model).__name__} runs some of its layers in {loops} loops (n_recurrent_loops)"
+        )
     if isinstance(early_exit_layer, bool) or not isinstance(early_exit_layer, int):
         raise ValueError(
             f"speculative_config.early_exit_layer={early_exit_layer!r} is invalid for method='layer_skip'; "
@@ -89,8 +95,8 @@ class LayerSkipProposer:
         # the target cache holds each row's first L tokens (all accepted); the draft feeds the rest
         held = {row: self.cache.seq_lens.get(row, 0) for row in request.rows}
         feeds = [np.asarray(tokens)[held[row] :] for row, tokens in zip(request.rows, request.token_ids)]
-        if self.cache.recurrent is not None:  # what a row feeds must fit in the rollback its states record
-            most = self.cache.recurrent.max_rollback
+        most = self.cache.rollback_reach
+        if most is not None:  # what a row feeds must fit in the rollback its states record
             max_draft = [m if len(feed) + m - 1 <= most else 0 for m, feed in zip(max_draft, feeds)]
         try:
             with (

@@ -55,6 +55,7 @@ from transformers import (
 from transformers.generation import stopping_criteria as hf_stopping
 
 from ..cache.architectures import check_architecture
+from ..cache.own_attention import OwnAttentionCache
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
@@ -665,6 +666,11 @@ def _prompt_array(prompt_ids, vocab_size: int) -> np.ndarray:
 
 
 def _check_tree_request(cache: PagedKVCache) -> None:
+    if isinstance(cache, OwnAttentionCache):
+        raise ValueError(
+            "speculative_config.tree is not supported on models with their own attention (those the paged attention "
+            "cannot run, as BLOOM or GPT-Neo: they build their own causal mask, which a tree's mask would replace)"
+        )
     if cache.recurrent is not None:
         raise ValueError(
             "speculative_config.tree is not supported on models with recurrent layers: their state follows one "

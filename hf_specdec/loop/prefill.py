@@ -17,7 +17,8 @@ over the three axes itself.
 
 What is refused, with the reason: a prompt whose last token has different positions on those axes
 (it ends with an image: the next positions are not one number), hybrid models (their recurrent
-state would have to be copied per row as well) and sparse indexed attention (its indexer keys too).
+state would have to be copied per row as well), sparse indexed attention (its indexer keys too) and
+models that run on their own attention (`own_attention.py`).
 """
 
 from __future__ import annotations
@@ -31,12 +32,19 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from ..cache.forward import takes_logits_to_keep
+from ..cache.own_attention import runs_own_attention
 from ..cache.paged_cache import PagedKVCache, layer_attention
 from ..models.feature_capture import TargetFeatureCapture
 
 
 def check_model_prefill(model: PreTrainedModel, inputs: dict) -> None:
     """ValueError naming the input and the reason when the model's own prefill cannot hand over to the loop."""
+    if runs_own_attention(model):
+        raise ValueError(
+            f"model inputs {sorted(inputs)} are not supported for model_type={model.config.get_text_config().model_type!r}: "
+            "it runs on its own attention and cache, one row per forward, and its own prefill of a batch is not "
+            "handed over to that"
+        )
     kinds = [kind for kind, _ in layer_attention(model.config)]
     for held, what in (("recurrent", "a hybrid model's recurrent state"), ("indexed", "a sparse indexer's keys")):
         if any(kind.startswith(held) for kind in kinds):

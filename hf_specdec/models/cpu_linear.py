@@ -834,6 +834,7 @@ def _fp32_cpu_linears(modules: Iterable[torch.nn.Module]) -> Iterator[torch.nn.L
                 and weight.dtype == torch.float32
                 and weight.device.type == "cpu"
                 and weight.is_contiguous()
+                and isinstance(module.in_features, int)  # Inkling's vision tower sets tensors there
                 and "forward" not in module.__dict__  # already patched, or someone else's override
             ):
                 seen.add(id(module))

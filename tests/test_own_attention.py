@@ -1,0 +1,107 @@
+"""Models the paged attention cannot run exactly run on their own attention and `DynamicCache`, one row
+per forward (`hf_specdec/cache/own_attention.py`): BLOOM, GPT-Neo, MPT and the others the family
+matrix lists. Greedy output equals plain `generate()` there (`test_family_matrix.py`, every family);
+here: the mechanism on a sliding-window model (whose own cache drops and crops keys), the engine,
+EAGLE-3, what stays refused and why, and a broken rollback that must show.
+"""
+
+from __future__ import annotations
+
+import families
+import pytest
+import torch
+from conftest import left_padded_batch, plain_generate
+from test_architectures import long_prompts, perturbed_copy, speculate, tiny_mistral
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+import hf_specdec
+from hf_specdec.cache.architectures import check_architecture
+from hf_specdec.cache.own_attention import OwnAttentionCache, mark_own_attention, runs_own_attention
+from hf_specdec.cache.paged_cache import PagedKVCache
+
+
+def own_attention_mistral(seed_copy: bool = False):
+    """A Mistral with a sliding window of 8 (shorter than the prompts), run on its own attention as if the
+    paged attention could not run it: its own cache keeps sliding layers, which a rollback must crop."""
+    model = tiny_mistral(sliding_window=8)
+    mark_own_attention(model)
+    return model
+
+
+def test_sliding_window_model_on_its_own_cache_equals_plain_generate():
+    """n-gram drafts (k=4, most rejected), a draft model on its own cache too (k=3, most accepted) and
+    layer_skip (its drafts write the first layer only, then are cropped back): identical to plain
+    generate() on a left-padded batch of 3, drafts accepted and rejected."""
+    model = own_attention_mistral()
+    inputs = left_padded_batch(long_prompts(3))
+    assert inputs["input_ids"].shape[1] > 8
+    plain = plain_generate(model, **inputs, max_new_tokens=30, do_sample=False)
+    draft = perturbed_copy(model)
+    mark_own_attention(draft)
+    for config in (
+        {"method": "ngram", "num_speculative_tokens": 4},
+        {"method": "draft_model", "model": draft, "num_speculative_tokens": 3},
+        {"method": "layer_skip", "early_exit_layer": 1, "num_speculative_tokens": 3},
+    ):
+        out = speculate(model, inputs, 30, **config)
+        accepted, drafted = out.spec_metrics["num_accepted_tokens"], out.spec_metrics["num_draft_tokens"]
+        assert torch.equal(out.sequences, plain) and 0 < accepted < drafted, (config["method"], accepted, drafted)
+    cache = PagedKVCache.for_model(model, num_blocks=4)
+    assert isinstance(cache, OwnAttentionCache) and cache.one_row_per_forward
+
+
+def test_a_rollback_that_does_not_crop_the_rows_cache_shows(monkeypatch):
+    """The broken variant: rejected drafts' keys left in the row's own cache change the output."""
+    model = own_attention_mistral()
+    inputs = left_padded_batch(long_prompts(3))
+    plain = plain_generate(model, **inputs, max_new_tokens=30, do_sample=False)
+    monkeypatch.setattr(DynamicLayer, "crop", lambda self, tokens_to_remove: None)
+    monkeypatch.setattr(DynamicSlidingWindowLayer, "crop", lambda self, tokens_to_remove: None)
+    out = speculate(model, inputs, 30, method="ngram", num_speculative_tokens=4)
+    assert out.spec_metrics["num_draft_tokens"] > out.spec_metrics["num_accepted_tokens"]
+    assert not torch.equal(out.sequences, plain)
+
+
+def test_bloom_runs_on_its_own_attention_in_the_engine_and_with_eagle3():
+    """BLOOM (ALiBi, its attention computed in the layer itself) is found to need its own attention; the
+    engine gives each request plain generate()'s tokens for its prompt alone, one joining mid-flight;
+    an EAGLE-3 head bound to it drafts, identical too; draft trees are refused with the reason."""
+    model = hf_specdec.enable(families.build_tiny_model("bloom"))
+    check_architecture(model)
+    assert runs_own_attention(model)
+    prompts = long_prompts(2, lengths=(23, 35))
+    expected = [
+        plain_generate(model, input_ids=torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    engine = hf_specdec.SpeculativeEngine(model, {"method": "ngram", "num_speculative_tokens": 3}, max_batch_size=2)
+    first = engine.add_request(prompts[0], {"max_new_tokens": 20, "do_sample": False})
+    outputs = list(engine.step()) + list(engine.step())
+    second = engine.add_request(prompts[1], {"max_new_tokens": 20, "do_sample": False})
+    for _ in range(60):
+        outputs += engine.step()
+    finished = {o.request_id: o.token_ids for o in outputs if o.finished}
+    assert finished == {first: expected[0], second: expected[1]} and engine.num_kv_blocks_used == 0
+
+    inputs = left_padded_batch(prompts)
+    plain = plain_generate(model, **inputs, max_new_tokens=20, do_sample=False)
+    out = speculate(model, inputs, 20, method="eagle3", model=hf_specdec.EagleHead.for_target(model, "eagle3", seed=0), num_speculative_tokens=2)
+    assert torch.equal(out.sequences, plain) and out.spec_metrics["num_draft_tokens"] > 0
+    with pytest.raises(ValueError, match="speculative_config.tree is not supported on models with their own attention"):
+        speculate(model, inputs, 20, tree={"num_nodes": 8, "topk": 2})
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        ("zaya", "on its own attention and cache: rolling its own cache back one token changes its logits"),
+        ("git", "on its own attention and cache: plain generate\\(\\) gives a left-padded row other logits"),
+    ],
+)
+def test_what_its_own_attention_cannot_run_exactly_stays_refused(model_type, reason):
+    """A refusal names why each path fails: ZAYA's recurrent layers keep no per-token states to roll
+    back; GIT's plain generate() gives a left-padded row other tokens than the row alone."""
+    model = families.build_tiny_model(model_type)
+    with pytest.raises(ValueError, match=reason):
+        check_architecture(model)
+    assert not runs_own_attention(model)
