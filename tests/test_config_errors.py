@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from conftest import left_padded_batch, ngram_config, repeated_span_batch
-from transformers import BloomConfig, BloomForCausalLM
+from transformers import RwkvConfig, RwkvForCausalLM
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
@@ -222,15 +222,15 @@ def test_all_padding_row_rejected(enabled_llama):
 
 
 def test_unsupported_model_type():
-    """A model the paged cache cannot run exactly (BLOOM computes ALiBi attention itself) is refused
+    """A model we cannot run exactly (RWKV keeps a cache class of its own, with no rollback) is refused
     naming its model type and why; plain generate() still works on it."""
     torch.manual_seed(0)
-    bloom = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=1, n_head=2)).eval()
-    hf_specdec.enable(bloom)
+    rwkv = RwkvForCausalLM(RwkvConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32)).eval()
+    hf_specdec.enable(rwkv)
     inputs = {"input_ids": torch.tensor([[5, 6, 7, 5, 6]])}
-    with pytest.raises(ValueError, match="model_type='bloom' is not supported: .*AttentionInterface"):
-        bloom.generate(**inputs, max_new_tokens=4, speculative_config=ngram_config())
-    assert bloom.generate(**inputs, max_new_tokens=4, do_sample=False).shape == (1, 9)
+    with pytest.raises(ValueError, match="model_type='rwkv' is not supported: it keeps its own cache class"):
+        rwkv.generate(**inputs, max_new_tokens=4, speculative_config=ngram_config())
+    assert rwkv.generate(**inputs, max_new_tokens=4, do_sample=False).shape == (1, 9)
 
 
 def test_eagle_head_not_found(enabled_llama, tmp_path, monkeypatch):

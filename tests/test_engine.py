@@ -566,8 +566,8 @@ def test_bad_engine_arguments(model):
 
 def test_models_it_cannot_run_exactly_are_refused():
     """The engine runs the same architecture check as generate(): a refusal naming the reason, not a wrong output."""
-    with pytest.raises(UnsupportedModelError, match=r"model_type='bloom'.*AttentionInterface"):
-        SpeculativeEngine(families.build_tiny_model("bloom"), ngram_config(k=3))
+    with pytest.raises(UnsupportedModelError, match=r"model_type='rwkv'.*keeps its own cache class"):
+        SpeculativeEngine(families.build_tiny_model("rwkv"), ngram_config(k=3))
 
 
 def test_a_failing_step_ends_its_requests_only(model, monkeypatch):
