@@ -24,6 +24,7 @@ do plain-generate, but where a left-padded row differs from the same prompt run 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -862,7 +863,18 @@ def tiny_config(model_type: str, init_scale: float | None = None) -> PreTrainedC
         overrides["tie_word_embeddings"] = False
         if "text_config" in cls.sub_configs:
             overrides["text_config"] = {**overrides.get("text_config", {}), "tie_word_embeddings": False}
+    if _is_an_encoder_used_as_decoder(model_type):
+        overrides["is_decoder"] = True  # how such a causal LM is meant to run (transformers warns otherwise)
     return _tiny_config(cls, overrides, init_scale)
+
+
+def _is_an_encoder_used_as_decoder(model_type: str) -> bool:
+    """BERT-style families: their causal-LM class runs bidirectionally unless the config says `is_decoder`."""
+    try:
+        source = inspect.getsource(model_class(model_type).__init__)
+    except (TypeError, OSError, ValueError):
+        return False
+    return "is_decoder" in source
 
 
 def build_tiny_model(

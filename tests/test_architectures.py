@@ -76,7 +76,9 @@ def perturbed_copy(model: torch.nn.Module, scale: float = 0.01) -> torch.nn.Modu
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for parameter in draft.parameters():
-            if parameter.is_floating_point() and parameter.numel() > 1:
+            # a weight the model does not train stays (RoFormer's sinusoidal table: noise there breaks the
+            # relative positions that make its padded rows read as the rows alone)
+            if parameter.is_floating_point() and parameter.numel() > 1 and parameter.requires_grad:
                 noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
                 parameter.add_(noise * scale * parameter.std().clamp_min(1e-3))
     return draft

@@ -31,6 +31,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    RwkvConfig,
+    RwkvForCausalLM,
     XGLMConfig,
     XGLMForCausalLM,
 )
@@ -334,15 +336,24 @@ def test_mismatched_tokenizers_rejected(target, drafts, word_tokenizer, tmp_path
         target.config.name_or_path = original_path
 
 
-def test_unsupported_draft_architecture_rejected(target):
-    """A draft the paged cache cannot run (XGLM computes attention outside transformers' AttentionInterface)
-    is refused naming its model type; a draft of another supported family (GPT-2) passes that check and is
-    refused for what really differs, its vocabulary."""
+def test_draft_architectures_refused_on_own_attention_or_run(target):
+    """A draft we cannot run exactly (RWKV keeps a cache class of its own) is refused naming its model type;
+    a draft the paged attention cannot run but its own can (XGLM computes attention itself) drafts for a
+    paged Llama, identical to plain generate(); a draft of another family (GPT-2) is refused for what
+    really differs, its vocabulary."""
+    special = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+    rwkv = RwkvForCausalLM(RwkvConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, **special))
+    with pytest.raises(ValueError, match="draft model: model_type='rwkv' is not supported"):
+        target.generate(**repeated_span_batch(1), max_new_tokens=4, speculative_config=draft_config(rwkv))
     xglm = XGLMForCausalLM(
-        XGLMConfig(vocab_size=128, d_model=32, ffn_dim=64, num_layers=1, attention_heads=2, pad_token_id=0, eos_token_id=1)
+        XGLMConfig(vocab_size=128, d_model=32, ffn_dim=64, num_layers=1, attention_heads=2, **special)
     ).eval()
-    with pytest.raises(ValueError, match="draft model: model_type='xglm' is not supported"):
-        target.generate(**repeated_span_batch(1), max_new_tokens=4, speculative_config=draft_config(xglm))
+    inputs = repeated_span_batch(2)
+    out = target.generate(
+        **inputs, max_new_tokens=12, do_sample=False, return_dict_in_generate=True, speculative_config=draft_config(xglm)
+    )
+    plain = plain_generate(target, **inputs, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out.sequences, plain) and out.spec_metrics["num_draft_tokens"] > 0
     gpt2 = GPT2LMHeadModel(
         GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64, pad_token_id=0, eos_token_id=1)
     ).eval()

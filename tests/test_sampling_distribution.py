@@ -301,74 +301,59 @@ def test_sampling_matches_exact_distribution_on_other_architectures(arch):
     assert chi_square_pvalue(samples, exact) > 1e-3
 
 
-def small_vocab_sparse_attention_model(seed: int = 0):
-    """A 16-token DeepSeek-V3.2 whose indexer keeps the top 4 keys: past the 8-token prompt each query
-    attends to a selection, not its whole context."""
+def small_vocab_family_model(model_type: str, seed: int = 0, **overrides):
+    """A 16-token tiny model of a family of the matrix (pad 0, no eos / bos), logits spread by initializer 0.3."""
     import families
 
-    config = families.tiny_config("deepseek_v32", init_scale=0.3)
-    config.vocab_size, config.index_topk = SMALL_VOCAB_SIZE, 4
-    config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, None, None
-    model = families.build_tiny_model("deepseek_v32", seed=seed, config=config)
+    config = families.tiny_config(model_type, init_scale=0.3)
+    config.vocab_size, config.pad_token_id, config.eos_token_id, config.bos_token_id = SMALL_VOCAB_SIZE, 0, None, None
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    model = families.build_tiny_model(model_type, seed=seed, config=config)
     model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
     return model
 
 
-def test_sampling_on_sparse_indexed_attention_matches_exact_distribution(monkeypatch):
-    """DeepSeek-V3.2's sparse attention (one row per forward, the indexer's top-k honoured): 2000
-    sampled continuations (fewer than elsewhere: each row is a forward of its own) pass the chi-square
-    test against the enumerated distribution; attending to every key instead of the selected ones
-    fails it. Drafts from a 16-token Llama (packed rows: cheaper), sampled with their q."""
-    from hf_specdec.cache import paged_attention
-
-    model = hf_specdec.enable(small_vocab_sparse_attention_model())
+def assert_follows_exact_distribution_until_broken(model, seed: int, break_it) -> None:
+    """2000 sampled continuations (fewer than elsewhere: these models run a forward per row) with drafts
+    from a 16-token Llama sampled with their q pass the chi-square test against the enumerated
+    distribution, drafts accepted and rejected; after `break_it()` they fail it."""
     sampling = SETTINGS["temperature_topk_topp"]
     exact = exact_distribution(model, sampling)
     assert max(exact.values()) < 0.5, "the distribution is nearly deterministic: the test would prove little"
     config = {"method": "draft_model", "model": build_small_vocab_llama(1), "num_speculative_tokens": 2}
-    samples, metrics = speculative_samples(model, sampling, config, num_samples=2000, seed=99)
+    samples, metrics = speculative_samples(model, sampling, config, num_samples=2000, seed=seed)
     accepted = sum(m["num_accepted_tokens"] for m in metrics)
     assert 0 < accepted < sum(m["num_draft_tokens"] for m in metrics), "drafts all accepted or all rejected"
     assert chi_square_pvalue(samples, exact) > 1e-3
-    monkeypatch.setattr(paged_attention, "_with_indices", lambda mask, indices, meta: mask)
-    samples, _ = speculative_samples(model, sampling, config, num_samples=2000, seed=99)
+    break_it()
+    samples, _ = speculative_samples(model, sampling, config, num_samples=2000, seed=seed)
     assert chi_square_pvalue(samples, exact) < 1e-3
 
 
-def small_vocab_bloom(seed: int = 0):
-    """A 16-token BLOOM (ALiBi, attention computed in its layers): it runs on its own attention and cache."""
-    import families
+def test_sampling_on_sparse_indexed_attention_matches_exact_distribution(monkeypatch):
+    """DeepSeek-V3.2's sparse attention (one row per forward, the indexer's top-k honoured; past the
+    8-token prompt each query attends to the top 4 keys, not its whole context); broken: attending to
+    every key instead of the selected ones."""
+    from hf_specdec.cache import paged_attention
 
-    config = families.tiny_config("bloom", init_scale=0.3)
-    config.vocab_size, config.pad_token_id, config.eos_token_id, config.bos_token_id = SMALL_VOCAB_SIZE, 0, None, None
-    model = families.build_tiny_model("bloom", seed=seed, config=config)
-    model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
-    return model
+    model = hf_specdec.enable(small_vocab_family_model("deepseek_v32", index_topk=4))
+    assert_follows_exact_distribution_until_broken(
+        model, 99, lambda: monkeypatch.setattr(paged_attention, "_with_indices", lambda mask, indices, meta: mask)
+    )
 
 
 def test_sampling_on_own_attention_matches_exact_distribution(monkeypatch):
-    """A model on its own attention and `DynamicCache` (one row per forward, rolled back by cropping):
-    2000 sampled continuations pass the chi-square test against the enumerated distribution; with the
-    rejected drafts' keys kept by the rollback (the oldest cropped instead) they fail it. Drafts from a 16-token Llama, sampled with their q."""
+    """BLOOM on its own attention and `DynamicCache` (one row per forward, rolled back by cropping);
+    broken: a rollback that keeps the rejected drafts' keys (crops the oldest instead)."""
     from transformers.cache_utils import DynamicLayer
 
     from hf_specdec.cache.own_attention import runs_own_attention
-
-    model = hf_specdec.enable(small_vocab_bloom())
-    sampling = SETTINGS["temperature_topk_topp"]
-    exact = exact_distribution(model, sampling)
-    assert max(exact.values()) < 0.5, "the distribution is nearly deterministic: the test would prove little"
-    config = {"method": "draft_model", "model": build_small_vocab_llama(1), "num_speculative_tokens": 2}
-    samples, metrics = speculative_samples(model, sampling, config, num_samples=2000, seed=5)
-    assert runs_own_attention(model)
-    accepted = sum(m["num_accepted_tokens"] for m in metrics)
-    assert 0 < accepted < sum(m["num_draft_tokens"] for m in metrics), "drafts all accepted or all rejected"
-    assert chi_square_pvalue(samples, exact) > 1e-3
 
     def crop_the_oldest(layer, tokens_to_remove: int) -> None:  # the right length, the rejected drafts' keys kept
         if tokens_to_remove < 0:
             layer.keys, layer.values = layer.keys[..., -tokens_to_remove:, :], layer.values[..., -tokens_to_remove:, :]
 
-    monkeypatch.setattr(DynamicLayer, "crop", crop_the_oldest)
-    samples, _ = speculative_samples(model, sampling, config, num_samples=2000, seed=5)
-    assert chi_square_pvalue(samples, exact) < 1e-3
+    model = hf_specdec.enable(small_vocab_family_model("bloom"))
+    assert_follows_exact_distribution_until_broken(model, 5, lambda: monkeypatch.setattr(DynamicLayer, "crop", crop_the_oldest))
+    assert runs_own_attention(model)

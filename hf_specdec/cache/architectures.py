@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
+from transformers import LogitsProcessor, PreTrainedModel
 from transformers.utils.generic import TransformersKwargs
 
 from .forward import forward_tokens
@@ -332,22 +332,41 @@ def _logits_problem(model: PreTrainedModel, rows: list[torch.Tensor], fed_logits
     return ""
 
 
+class _FeedTokens(LogitsProcessor):
+    """Makes generate() pick `tokens` in turn, whatever the logits: the compared logits then all follow
+    the same inputs (a near-tie's argmax cannot send two runs apart)."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens, self.step = tokens, 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        forced = torch.full_like(scores, -torch.inf)
+        forced[:, self.tokens[self.step]] = 0.0
+        self.step += 1
+        return forced
+
+
 def _padded_generate_problem(model: PreTrainedModel, rows: list[torch.Tensor], steps: int = 3) -> str:
     """'' when plain generate() gives each row of a left-padded batch the logits it gives the row alone
-    (`steps` greedy steps), as the loop does: one row per forward, no padding in it. Some models read the
-    padding while decoding from their cache (GIT) though a padded forward without one does not."""
+    (`steps` decoding steps over the same tokens), as the loop does: one row per forward, no padding
+    in it. Some models read the padding while decoding from their cache (GIT) though a padded forward
+    without one does not."""
     pad = int(model.generation_config.pad_token_id or 0)
     width = max(len(r) for r in rows)
+    fed = rows[0][:steps].tolist()
     options = dict(
         max_new_tokens=steps, min_new_tokens=steps, do_sample=False, num_beams=1, output_logits=True,
         return_dict_in_generate=True, pad_token_id=pad,
     )  # fmt: skip
     ids = torch.stack([torch.cat([torch.full((width - len(r),), pad, dtype=r.dtype), r]) for r in rows]).to(model.device)
     mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r) for r in rows])[:, None]).long().to(model.device)
-    batch = torch.stack(model.generate(input_ids=ids, attention_mask=mask, **options).logits, dim=1).float().cpu()
+    batch = model.generate(input_ids=ids, attention_mask=mask, logits_processor=[_FeedTokens(fed)], **options).logits
+    batch = torch.stack(batch, dim=1).float().cpu()
     for index, row in enumerate(rows):
         alone_ids = row[None].to(model.device)
-        alone = model.generate(input_ids=alone_ids, attention_mask=torch.ones_like(alone_ids), **options).logits
+        alone = model.generate(
+            input_ids=alone_ids, attention_mask=torch.ones_like(alone_ids), logits_processor=[_FeedTokens(fed)], **options
+        ).logits
         alone = torch.stack(alone, dim=1)[0].float().cpu()
         error = float((batch[index] - alone).abs().max())
         if error > PROBE_TOLERANCE * (1.0 + float(alone.abs().max())):
