@@ -65,7 +65,8 @@ def test_a_rollback_that_does_not_crop_the_rows_cache_shows(monkeypatch):
 def test_bloom_runs_on_its_own_attention_in_the_engine_and_with_eagle3():
     """BLOOM (ALiBi, its attention computed in the layer itself) is found to need its own attention; the
     engine gives each request plain generate()'s tokens for its prompt alone, one joining mid-flight;
-    an EAGLE-3 head bound to it drafts, identical too; draft trees are refused with the reason."""
+    an EAGLE-3 head bound to it drafts, identical too, with a warning that at batch size > 1 one forward
+    per row is likely slower than plain generate(); draft trees are refused with the reason."""
     model = hf_specdec.enable(families.build_tiny_model("bloom"))
     check_architecture(model)
     assert runs_own_attention(model)
@@ -85,7 +86,9 @@ def test_bloom_runs_on_its_own_attention_in_the_engine_and_with_eagle3():
 
     inputs = left_padded_batch(prompts)
     plain = plain_generate(model, **inputs, max_new_tokens=20, do_sample=False)
-    out = speculate(model, inputs, 20, method="eagle3", model=hf_specdec.EagleHead.for_target(model, "eagle3", seed=0), num_speculative_tokens=2)
+    head = hf_specdec.EagleHead.for_target(model, "eagle3", seed=0)
+    with pytest.warns(UserWarning, match="one forward per row: at batch size 2 speculative decoding is likely slower"):
+        out = speculate(model, inputs, 20, method="eagle3", model=head, num_speculative_tokens=2)
     assert torch.equal(out.sequences, plain) and out.spec_metrics["num_draft_tokens"] > 0
     with pytest.raises(ValueError, match="speculative_config.tree is not supported on models with their own attention"):
         speculate(model, inputs, 20, tree={"num_nodes": 8, "topk": 2})
