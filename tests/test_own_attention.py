@@ -75,7 +75,8 @@ def test_bloom_runs_on_its_own_attention_in_the_engine_and_with_eagle3():
         plain_generate(model, input_ids=torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p) :].tolist()
         for p in prompts
     ]
-    engine = hf_specdec.SpeculativeEngine(model, {"method": "ngram", "num_speculative_tokens": 3}, max_batch_size=2)
+    with pytest.warns(UserWarning, match="one forward per row: with several requests at once the engine is likely slower"):
+        engine = hf_specdec.SpeculativeEngine(model, {"method": "ngram", "num_speculative_tokens": 3}, max_batch_size=2)
     first = engine.add_request(prompts[0], {"max_new_tokens": 20, "do_sample": False})
     outputs = list(engine.step()) + list(engine.step())
     second = engine.add_request(prompts[1], {"max_new_tokens": 20, "do_sample": False})
