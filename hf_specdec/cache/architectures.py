@@ -185,23 +185,18 @@ def _mask_disagrees_with_cache(layer_kinds: list, layer_masks: dict) -> str:
 
 
 def _left_padding_problem(model: PreTrainedModel, tokens: torch.Tensor, own: torch.Tensor) -> str:
-    """'' when a left-padded row of plain generate()'s batch reads as the row alone, which the loop gives.
-    A forward that takes no position_ids counts positions itself, and left padding may shift them
-    (Whisper's decoder counts from the cache length); one that takes them may still read the padding
-    (GIT, on its own attention: checked there)."""
+    """A forward that takes no position_ids gets none from plain generate(): the model counts positions
+    itself. Where left padding shifts them (Whisper's decoder counts from the cache length), a padded
+    row of plain generate()'s batch reads differently from the row alone, which the loop gives."""
     pad = int(model.generation_config.pad_token_id or 0)
     padded = torch.cat([torch.full((2,), pad, dtype=tokens.dtype), tokens])[None].to(model.device)
     mask = torch.cat([torch.zeros(2, dtype=torch.long), torch.ones(len(tokens), dtype=torch.long)])[None].to(model.device)
-    positions = {}
-    if "position_ids" in _forward_parameters(model):  # as plain generate() gives them (`prepare_inputs_for_generation`)
-        positions["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    logits = model(input_ids=padded, attention_mask=mask, use_cache=False, **positions).logits[0, 2:].float().cpu()
+    logits = model(input_ids=padded, attention_mask=mask, use_cache=False).logits[0, 2:].float().cpu()
     error = float((logits - own).abs().max())
     if error > PROBE_TOLERANCE * (1.0 + float(own.abs().max())):
-        takes = "takes position_ids" if positions else "takes no position_ids"
         return (
-            f"its forward {takes} and left padding changes its logits by {error:.3g} (float32): plain generate() gives "
-            "a padded row other tokens than the row alone"
+            f"its forward takes no position_ids and left padding changes its logits by {error:.3g} (float32): the "
+            "positions it counts itself include the padding, so plain generate() gives a padded row other tokens"
         )
     return ""
 
