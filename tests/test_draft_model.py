@@ -354,6 +354,8 @@ def test_draft_architectures_refused_on_own_attention_or_run(target):
     )
     plain = plain_generate(target, **inputs, max_new_tokens=12, do_sample=False)
     assert torch.equal(out.sequences, plain) and out.spec_metrics["num_draft_tokens"] > 0
+    with pytest.raises(ValueError, match="speculative_config.tree is not supported with a draft model that runs on its own"):
+        target.generate(**inputs, max_new_tokens=4, speculative_config=draft_config(xglm, tree={"num_nodes": 4, "topk": 2}))
     gpt2 = GPT2LMHeadModel(
         GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64, pad_token_id=0, eos_token_id=1)
     ).eval()

@@ -52,7 +52,9 @@ class OwnAttentionCache(PagedKVCache):
         # each row gets a copy of it, made now: layer_skip cuts the model's layers while it drafts
         self._empty_cache = DynamicCache(config=model.config)
         self._empty_cache.activate_past_recording(recurrent_states_to_keep=max_rollback + 1)
-        self._max_rollback = max_rollback
+        # a recurrent layer keeps the states of a forward's last `max_rollback + 1` tokens (the model hands them)
+        records_states = any(hasattr(layer, "recurrent_states_history") for layer in self._empty_cache.layers)
+        self._rollback_reach = max_rollback if records_states else None
         self.row_caches: dict[int, DynamicCache] = {}
         self._active_row: int | None = None
         self._settled: set[int] = set()  # rows rolled back since their last forward
@@ -63,8 +65,7 @@ class OwnAttentionCache(PagedKVCache):
 
     @property
     def rollback_reach(self) -> int | None:
-        # a recurrent layer keeps the states of a forward's last `max_rollback + 1` tokens (the model hands them)
-        return self._max_rollback if any(hasattr(layer, "recurrent_states_history") for layer in self._empty_cache.layers) else None
+        return self._rollback_reach
 
     def _row_cache(self, row: int) -> DynamicCache:
         cache = self.row_caches.get(row)

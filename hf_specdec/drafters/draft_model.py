@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from ..cache.architectures import check_architecture
 from ..cache.forward import forward_tokens
+from ..cache.own_attention import OwnAttentionCache
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
 from ..config import TreeSpec
@@ -203,6 +204,11 @@ class DraftModelProposer:
                 raise ValueError(
                     "speculative_config.tree is not supported with a draft model that has recurrent layers: "
                     "their state follows one path, a tree has many"
+                )
+            if self.tree is not None and isinstance(cache, OwnAttentionCache):
+                raise ValueError(
+                    "speculative_config.tree is not supported with a draft model that runs on its own attention "
+                    "(it builds its own causal mask, which a tree's mask would replace)"
                 )
             self.cache = cache
         return self.cache
