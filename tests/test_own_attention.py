@@ -18,6 +18,7 @@ import hf_specdec
 from hf_specdec.cache.architectures import check_architecture
 from hf_specdec.cache.own_attention import OwnAttentionCache, mark_own_attention, runs_own_attention
 from hf_specdec.cache.paged_cache import PagedKVCache
+from hf_specdec.loop.prefill import check_model_prefill
 
 
 def own_attention_mistral(seed_copy: bool = False):
@@ -66,7 +67,7 @@ def test_bloom_runs_on_its_own_attention_in_the_engine_and_with_eagle3():
     """BLOOM (ALiBi, its attention computed in the layer itself) is found to need its own attention; the
     engine gives each request plain generate()'s tokens for its prompt alone, one joining mid-flight;
     an EAGLE-3 head bound to it drafts, identical too, with a warning that at batch size > 1 one forward
-    per row is likely slower than plain generate(); draft trees are refused with the reason."""
+    per row is likely slower than plain generate(); draft trees and image inputs are refused with the reason."""
     model = hf_specdec.enable(families.build_tiny_model("bloom"))
     check_architecture(model)
     assert runs_own_attention(model)
@@ -93,6 +94,8 @@ def test_bloom_runs_on_its_own_attention_in_the_engine_and_with_eagle3():
     assert torch.equal(out.sequences, plain) and out.spec_metrics["num_draft_tokens"] > 0
     with pytest.raises(ValueError, match="speculative_config.tree is not supported on models with their own attention"):
         speculate(model, inputs, 20, tree={"num_nodes": 8, "topk": 2})
+    with pytest.raises(ValueError, match=r"model inputs \['pixel_values'\] are not supported for model_type='bloom': it runs on its own"):
+        check_model_prefill(model, {"pixel_values": torch.zeros(1, 3, 8, 8)})
 
 
 @pytest.mark.parametrize(
