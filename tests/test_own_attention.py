@@ -7,6 +7,8 @@ EAGLE-3, what stays refused and why, and a broken rollback that must show.
 
 from __future__ import annotations
 
+import warnings
+
 import families
 import pytest
 import torch
@@ -15,7 +17,7 @@ from test_architectures import long_prompts, perturbed_copy, speculate, tiny_mis
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 import hf_specdec
-from hf_specdec.cache.architectures import check_architecture
+from hf_specdec.cache.architectures import check_architecture, padded_batch_problem
 from hf_specdec.cache.own_attention import OwnAttentionCache, mark_own_attention, runs_own_attention
 from hf_specdec.cache.paged_cache import PagedKVCache
 from hf_specdec.loop.prefill import check_model_prefill
@@ -77,7 +79,8 @@ def test_bloom_runs_on_its_own_attention_in_the_engine_and_with_eagle3():
         for p in prompts
     ]
     with pytest.warns(UserWarning, match="one forward per row: with several requests at once the engine is likely slower"):
-        engine = hf_specdec.SpeculativeEngine(model, {"method": "ngram", "num_speculative_tokens": 3}, max_batch_size=2)
+        config = {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3}
+        engine = hf_specdec.SpeculativeEngine(model, config, max_batch_size=2)
     first = engine.add_request(prompts[0], {"max_new_tokens": 20, "do_sample": False})
     outputs = list(engine.step()) + list(engine.step())
     second = engine.add_request(prompts[1], {"max_new_tokens": 20, "do_sample": False})
@@ -98,17 +101,40 @@ def test_bloom_runs_on_its_own_attention_in_the_engine_and_with_eagle3():
         check_model_prefill(model, {"pixel_values": torch.zeros(1, 3, 8, 8)})
 
 
-@pytest.mark.parametrize(
-    ("model_type", "reason"),
-    [
-        ("zaya", "on its own attention and cache: rolling its own cache back one token changes its logits"),
-        ("git", "on its own attention and cache: plain generate\\(\\) gives a left-padded row other logits"),
-    ],
-)
-def test_what_its_own_attention_cannot_run_exactly_stays_refused(model_type, reason):
-    """A refusal names why each path fails: ZAYA's recurrent layers keep no per-token states to roll
-    back; GIT's plain generate() gives a left-padded row other tokens than the row alone."""
-    model = families.build_tiny_model(model_type)
+def test_what_its_own_attention_cannot_run_exactly_stays_refused():
+    """A refusal names why each path fails: ZAYA's recurrent layers keep no per-token states to roll back."""
+    model = families.build_tiny_model("zaya")
+    reason = "on its own attention and cache: rolling its own cache back one token changes its logits"
     with pytest.raises(ValueError, match=reason):
         check_architecture(model)
     assert not runs_own_attention(model)
+
+
+@pytest.mark.parametrize(("model_type", "own_attention"), [("git", True), ("whisper", False)])
+def test_a_model_whose_plain_generate_misreads_padding_takes_rows_of_one_length(model_type, own_attention):
+    """GIT (its mask reads the padding while decoding) and Whisper's decoder (positions counted from the
+    cache, padding included): plain generate() gives a left-padded row other tokens than the row alone,
+    so generate() refuses a left-padded batch naming attention_mask; the engine, whose requests run
+    alone, gives each request plain generate()'s tokens for its prompt (a draft model: drafts accepted), one
+    joining mid-flight."""
+    model = families.build_tiny_model(model_type)
+    assert padded_batch_problem(model) and runs_own_attention(model) == own_attention
+    prompts = long_prompts(2, lengths=(23, 35))
+    with pytest.raises(ValueError, match="attention_mask: this .* cannot take a left-padded batch exactly: "):
+        speculate(model, left_padded_batch(prompts), 10)
+    expected = [
+        plain_generate(model, input_ids=torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    with warnings.catch_warnings():  # on its own attention: slower with several rows, said and tested above
+        warnings.simplefilter("ignore", UserWarning)
+        config = {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3}
+        engine = hf_specdec.SpeculativeEngine(model, config, max_batch_size=2)
+    first = engine.add_request(prompts[0], {"max_new_tokens": 20, "do_sample": False})
+    outputs = list(engine.step()) + list(engine.step())
+    second = engine.add_request(prompts[1], {"max_new_tokens": 20, "do_sample": False})
+    for _ in range(60):
+        outputs += engine.step()
+    finished = {o.request_id: o.token_ids for o in outputs if o.finished}
+    assert finished == {first: expected[0], second: expected[1]} and engine.num_kv_blocks_used == 0
+    assert engine.metrics.num_accepted_tokens > 0

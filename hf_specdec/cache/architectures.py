@@ -14,14 +14,19 @@ then runs a probe: two small packed forwards on a scratch `PagedKVCache`, which 
 - in float32, give the same logits as the model's own forward over the same tokens, so a mask or
   position rule the paged path does not know shows up as a refusal, not as wrong tokens.
 
+A model whose padded rows plain `generate()` itself reads differently from the rows alone (positions
+counted from the cache, GIT's mask) is supported for unpadded batches only: `padded_batch_problem`
+gives the reason, and `generate()` refuses a left-padded batch with it.
+
 The verdict is kept per model object, so the probe runs once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -29,7 +34,7 @@ from transformers import LogitsProcessor, PreTrainedModel
 from transformers.utils.generic import TransformersKwargs
 
 from .forward import forward_tokens
-from .own_attention import OwnAttentionCache, mark_own_attention
+from .own_attention import OwnAttentionCache, generate_passes_position_ids, mark_own_attention
 from .paged_attention import (
     ModelInUseError,
     UnsupportedAttentionError,
@@ -39,6 +44,7 @@ from .paged_attention import (
 from .paged_cache import PagedKVCache, UnsupportedMaskError, UnsupportedModelError, layer_attention
 
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PADDED_BATCH_PROBLEMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reason
 # how far the probe's logits may stray from the model's own forward (float32): attention
 # implementations differ by ~1e-6; a wrong mask or position differs by orders of magnitude more
 PROBE_TOLERANCE = 1e-3
@@ -52,6 +58,13 @@ def check_architecture(model: PreTrainedModel, role: str = "target") -> None:
         verdict = _VERDICTS[model] = _verdict(model)
     if verdict:
         raise UnsupportedModelError(f"{role} model: {verdict}")
+
+
+def padded_batch_problem(model: PreTrainedModel) -> str:
+    """Why plain generate() gives a left-padded row of `model` other tokens than the row alone ('' when it
+    does not). The loop runs every row unpadded, so on such a model only unpadded batches can be exact."""
+    check_architecture(model)
+    return _PADDED_BATCH_PROBLEMS.get(model, "")
 
 
 def _verdict(model: PreTrainedModel) -> str:
@@ -73,8 +86,11 @@ def _verdict(model: PreTrainedModel) -> str:
                 own_problem = _checked(_own_attention_problem, model, "its forward does not run on its own cache")
                 if not own_problem:
                     mark_own_attention(model)
+                    _PADDED_BATCH_PROBLEMS[model] = _checked(_padded_generate_problem, model, "plain generate() fails")
                     return ""
                 problem = f"{problem}; on its own attention and cache: {own_problem}"
+            else:
+                _PADDED_BATCH_PROBLEMS[model] = _checked(_left_padding_problem, model, "a left-padded forward fails")
     if not problem:
         return ""
     return problem if problem.startswith("model_type=") else f"model_type={model_type!r} is not supported: {problem}"
@@ -184,14 +200,19 @@ def _mask_disagrees_with_cache(layer_kinds: list, layer_masks: dict) -> str:
     return ""
 
 
-def _left_padding_problem(model: PreTrainedModel, tokens: torch.Tensor, own: torch.Tensor) -> str:
-    """A forward that takes no position_ids gets none from plain generate(): the model counts positions
-    itself. Where left padding shifts them (Whisper's decoder counts from the cache length), a padded
-    row of plain generate()'s batch reads differently from the row alone, which the loop gives."""
+def _left_padding_problem(model: PreTrainedModel) -> str:
+    """A model plain generate() hands no position_ids counts positions itself. Where left padding shifts
+    them (Whisper's decoder counts from the cache length), a padded row of plain generate()'s batch reads
+    differently from the row alone, which the loop gives."""
+    if generate_passes_position_ids(model) or next(model.parameters()).dtype != torch.float32:
+        return ""
+    tokens = _probe_rows(model)[1]
     pad = int(model.generation_config.pad_token_id or 0)
     padded = torch.cat([torch.full((2,), pad, dtype=tokens.dtype), tokens])[None].to(model.device)
     mask = torch.cat([torch.zeros(2, dtype=torch.long), torch.ones(len(tokens), dtype=torch.long)])[None].to(model.device)
-    logits = model(input_ids=padded, attention_mask=mask, use_cache=False).logits[0, 2:].float().cpu()
+    with _probing(model):
+        own = _own_forward_logits(model, tokens)
+        logits = model(input_ids=padded, attention_mask=mask, use_cache=False).logits[0, 2:].float().cpu()
     error = float((logits - own).abs().max())
     if error > PROBE_TOLERANCE * (1.0 + float(own.abs().max())):
         return (
@@ -199,6 +220,19 @@ def _left_padding_problem(model: PreTrainedModel, tokens: torch.Tensor, own: tor
             "positions it counts itself include the padding, so plain generate() gives a padded row other tokens"
         )
     return ""
+
+
+@contextlib.contextmanager
+def _probing(model: PreTrainedModel) -> Iterator[None]:
+    """Eval mode and no grad for a probe; the model held by this thread throughout, so that its own
+    forwards do not run on another thread's switched attention."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), held_by_this_thread(model):
+            yield
+    finally:
+        model.train(was_training)
 
 
 def _forward_parameters(model: PreTrainedModel) -> set[str]:
@@ -226,64 +260,58 @@ def _probe(model: PreTrainedModel) -> str:
     keywords: set[str] = set()
     tensor_mask_layers: set = set()  # layers handed a mask the model built itself (ALiBi, hand-made masks)
     layer_masks: dict = {}  # layer index -> the ModelMask its attention got
-    was_training = model.training
-    model.eval()
-    try:
-        # held for the whole probe: its own forwards below must not run on another thread's switched attention
-        with torch.no_grad(), held_by_this_thread(model):
-            with use_paged_attention(model):
-                for step in range(2):
-                    counts = [c[step] for c in PROBE_CHUNKS]
-                    try:
-                        logits = _probe_forward(model, cache, rows, step)
-                    except (UnsupportedAttentionError, UnsupportedMaskError):
+    with _probing(model):
+        with use_paged_attention(model):
+            for step in range(2):
+                counts = [c[step] for c in PROBE_CHUNKS]
+                try:
+                    logits = _probe_forward(model, cache, rows, step)
+                except (UnsupportedAttentionError, UnsupportedMaskError):
+                    raise
+                except (AttributeError, TypeError) as error:
+                    if "ModelMask" not in str(error):
                         raise
-                    except (AttributeError, TypeError) as error:
-                        if "ModelMask" not in str(error):
-                            raise
-                        return (
-                            "it reads the attention mask itself (ALiBi or a mask of its own making) instead of leaving "
-                            "it to its attention function, which the paged attention replaces"
-                        )
-                    except Exception as error:
-                        # a layer that wrote the cache and then did its own attention trips over the paged
-                        # pools (or the mask object) right there: say that rather than what it tripped on
-                        routing = _routing_problem(cache.forward_metadata, attention_layers, reusing_layers, finished=False)
-                        if routing:
-                            return routing
-                        raise error
-                    routing = _routing_problem(cache.forward_metadata, attention_layers, reusing_layers, finished=True)
+                    return (
+                        "it reads the attention mask itself (ALiBi or a mask of its own making) instead of leaving "
+                        "it to its attention function, which the paged attention replaces"
+                    )
+                except Exception as error:
+                    # a layer that wrote the cache and then did its own attention trips over the paged
+                    # pools (or the mask object) right there: say that rather than what it tripped on
+                    routing = _routing_problem(cache.forward_metadata, attention_layers, reusing_layers, finished=False)
                     if routing:
                         return routing
-                    meta = cache.forward_metadata
-                    keywords |= meta.scratch.get("attention_keywords", set())
-                    layer_masks.update(meta.scratch.get("layer_masks", {}))
-                    tensor_mask_layers |= meta.scratch.get("tensor_mask_layers", set())
-                    for row, piece in enumerate(logits.split(counts)):
-                        paged_logits[row].append(piece.float().cpu())
-                if cache.recurrent is not None:
-                    rollback_error = _rollback_problem(model, cache, rows[0], paged_logits[0][-1][-1])
-                    if rollback_error:
-                        return rollback_error
-            if tensor_mask_layers:
-                # the paged attention would replace it; and such a mask may differ from causal only past the
-                # probe's short rows (GLM-5-Next builds one from its indexer's top-k), so no logits check vets it
-                return (
-                    "its layers hand the attention function a mask of their own making (ALiBi, a hand-made or top-k "
-                    "mask) instead of transformers' mask functions, which the paged attention replaces"
-                )
-            inconsistent = _mask_disagrees_with_cache(cache.layer_kinds, layer_masks)
-            if inconsistent:  # its own cache drops those keys while decoding only, as in plain generate()
-                raise _NoFallback(inconsistent)
-            unknown = sorted(keywords - _passed_through(model) - {"paged_metadata"})
-            if unknown:
-                return (
-                    f"its attention layers pass {unknown} to the attention function, which the paged attention "
-                    "does not implement"
-                )
-            return _logits_problem(model, rows, paged_logits, "on the paged cache")
-    finally:
-        model.train(was_training)
+                    raise error
+                routing = _routing_problem(cache.forward_metadata, attention_layers, reusing_layers, finished=True)
+                if routing:
+                    return routing
+                meta = cache.forward_metadata
+                keywords |= meta.scratch.get("attention_keywords", set())
+                layer_masks.update(meta.scratch.get("layer_masks", {}))
+                tensor_mask_layers |= meta.scratch.get("tensor_mask_layers", set())
+                for row, piece in enumerate(logits.split(counts)):
+                    paged_logits[row].append(piece.float().cpu())
+            if cache.recurrent is not None:
+                rollback_error = _rollback_problem(model, cache, rows[0], paged_logits[0][-1][-1])
+                if rollback_error:
+                    return rollback_error
+        if tensor_mask_layers:
+            # the paged attention would replace it; and such a mask may differ from causal only past the
+            # probe's short rows (GLM-5-Next builds one from its indexer's top-k), so no logits check vets it
+            return (
+                "its layers hand the attention function a mask of their own making (ALiBi, a hand-made or top-k "
+                "mask) instead of transformers' mask functions, which the paged attention replaces"
+            )
+        inconsistent = _mask_disagrees_with_cache(cache.layer_kinds, layer_masks)
+        if inconsistent:  # its own cache drops those keys while decoding only, as in plain generate()
+            raise _NoFallback(inconsistent)
+        unknown = sorted(keywords - _passed_through(model) - {"paged_metadata"})
+        if unknown:
+            return (
+                f"its attention layers pass {unknown} to the attention function, which the paged attention "
+                "does not implement"
+            )
+        return _logits_problem(model, rows, paged_logits, "on the paged cache")
 
 
 # the probes' rows: 5 and 3 tokens, fed in two forwards of these many tokens each
@@ -314,7 +342,7 @@ def _logits_problem(model: PreTrainedModel, rows: list[torch.Tensor], fed_logits
     if next(model.parameters()).dtype != torch.float32:
         return ""
     for row, tokens in enumerate(rows):
-        own = model(input_ids=tokens[None].to(model.device), use_cache=False).logits[0].float().cpu()
+        own = _own_forward_logits(model, tokens)
         fed = torch.cat(fed_logits[row])
         error = float((own - fed).abs().max())
         if error > PROBE_TOLERANCE * (1.0 + float(own.abs().max())):
@@ -322,9 +350,17 @@ def _logits_problem(model: PreTrainedModel, rows: list[torch.Tensor], fed_logits
                 f"its logits {where} differ from its own forward by {error:.3g} (float32): its attention depends on "
                 f"something {where} does not reproduce"
             )
-    if "position_ids" not in _forward_parameters(model):
-        return _left_padding_problem(model, rows[1], own)
     return ""
+
+
+def _own_forward_logits(model: PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits plain generate() gets for `tokens` in one forward: position ids counted from 0 when its
+    `prepare_inputs_for_generation` hands them over (RoBERTa-style models count from the padding id only
+    without them; Kosmos-2.5 drops them so that they do)."""
+    inputs = {"input_ids": tokens[None].to(model.device)}
+    if generate_passes_position_ids(model):
+        inputs["position_ids"] = torch.arange(len(tokens), device=model.device)[None]
+    return model(**inputs, use_cache=False).logits[0].float().cpu()
 
 
 class _FeedTokens(LogitsProcessor):
@@ -341,11 +377,14 @@ class _FeedTokens(LogitsProcessor):
         return forced
 
 
-def _padded_generate_problem(model: PreTrainedModel, rows: list[torch.Tensor], steps: int = 3) -> str:
+def _padded_generate_problem(model: PreTrainedModel, steps: int = 3) -> str:
     """'' when plain generate() gives each row of a left-padded batch the logits it gives the row alone
-    (`steps` decoding steps over the same tokens), as the loop does: one row per forward, no padding
-    in it. Some models read the padding while decoding from their cache (GIT) though a padded forward
-    without one does not."""
+    (`steps` decoding steps over the same tokens; float32), as the loop does: one row per forward, no
+    padding in it. Some models read the padding while decoding from their cache (GIT) though a padded
+    forward without one does not."""
+    if next(model.parameters()).dtype != torch.float32:
+        return ""
+    rows = _probe_rows(model)
     pad = int(model.generation_config.pad_token_id or 0)
     width = max(len(r) for r in rows)
     fed = rows[0][:steps].tolist()
@@ -355,20 +394,19 @@ def _padded_generate_problem(model: PreTrainedModel, rows: list[torch.Tensor], s
     )  # fmt: skip
     ids = torch.stack([torch.cat([torch.full((width - len(r),), pad, dtype=r.dtype), r]) for r in rows]).to(model.device)
     mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r) for r in rows])[:, None]).long().to(model.device)
-    batch = model.generate(input_ids=ids, attention_mask=mask, logits_processor=[_FeedTokens(fed)], **options).logits
-    batch = torch.stack(batch, dim=1).float().cpu()
-    for index, row in enumerate(rows):
-        alone_ids = row[None].to(model.device)
-        alone = model.generate(
-            input_ids=alone_ids, attention_mask=torch.ones_like(alone_ids), logits_processor=[_FeedTokens(fed)], **options
-        ).logits
-        alone = torch.stack(alone, dim=1)[0].float().cpu()
-        error = float((batch[index] - alone).abs().max())
-        if error > PROBE_TOLERANCE * (1.0 + float(alone.abs().max())):
-            return (
-                f"plain generate() gives a left-padded row other logits than the row alone (by {error:.3g}, float32); "
-                "on its own attention each row runs alone"
-            )
+    with _probing(model):
+        batch = model.generate(input_ids=ids, attention_mask=mask, logits_processor=[_FeedTokens(fed)], **options).logits
+        batch = torch.stack(batch, dim=1).float().cpu()
+        for index, row in enumerate(rows):
+            alone_ids = row[None].to(model.device)
+            alone = model.generate(
+                input_ids=alone_ids, attention_mask=torch.ones_like(alone_ids), logits_processor=[_FeedTokens(fed)],
+                **options,
+            ).logits  # fmt: skip
+            alone = torch.stack(alone, dim=1)[0].float().cpu()
+            error = float((batch[index] - alone).abs().max())
+            if error > PROBE_TOLERANCE * (1.0 + float(alone.abs().max())):
+                return f"plain generate() gives a left-padded row other logits than the row alone (by {error:.3g}, float32)"
     return ""
 
 
@@ -382,26 +420,21 @@ def _own_attention_problem(model: PreTrainedModel) -> str:
         device=model.device,
     )  # fmt: skip
     fed_logits: list[list[torch.Tensor]] = [[], []]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), held_by_this_thread(model):
-            for step in range(2):
-                logits = _probe_forward(model, cache, rows, step)
-                for row, piece in enumerate(logits.split([c[step] for c in PROBE_CHUNKS])):
-                    fed_logits[row].append(piece.float().cpu())
-            length = PROBE_LENGTHS[0]
-            cache.rollback(0, length - 1)
-            again = forward_tokens(
-                model, cache, [0], [1], rows[0][-1:].to(model.device), torch.tensor([length - 1], device=model.device),
-                np.arange(1),
-            ).float().cpu()  # fmt: skip
-            problem = _logits_problem(model, rows, fed_logits, "on its own cache")
-            if problem or next(model.parameters()).dtype != torch.float32:
-                return problem
-            error = float((again[0] - fed_logits[0][-1][-1]).abs().max())
-            if error > PROBE_TOLERANCE * (1.0 + float(again.abs().max())):
-                return f"rolling its own cache back one token changes its logits by {error:.3g} (float32)"
-            return _padded_generate_problem(model, rows)
-    finally:
-        model.train(was_training)
+    with _probing(model):
+        for step in range(2):
+            logits = _probe_forward(model, cache, rows, step)
+            for row, piece in enumerate(logits.split([c[step] for c in PROBE_CHUNKS])):
+                fed_logits[row].append(piece.float().cpu())
+        length = PROBE_LENGTHS[0]
+        cache.rollback(0, length - 1)
+        again = forward_tokens(
+            model, cache, [0], [1], rows[0][-1:].to(model.device), torch.tensor([length - 1], device=model.device),
+            np.arange(1),
+        ).float().cpu()  # fmt: skip
+        problem = _logits_problem(model, rows, fed_logits, "on its own cache")
+        if problem or next(model.parameters()).dtype != torch.float32:
+            return problem
+        error = float((again[0] - fed_logits[0][-1][-1]).abs().max())
+        if error > PROBE_TOLERANCE * (1.0 + float(again.abs().max())):
+            return f"rolling its own cache back one token changes its logits by {error:.3g} (float32)"
+        return ""

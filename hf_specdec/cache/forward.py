@@ -78,10 +78,10 @@ def forward_tokens(
 
     def forward(tokens: slice, kept: np.ndarray) -> torch.Tensor:
         logits_to_keep = to_device([kept], input_ids.device)[0]
-        inputs = {"input_ids": input_ids[None, tokens], "position_ids": position_ids[None, tokens]}
+        inputs = {"input_ids": input_ids[None, tokens], "position_ids": position_ids[None, tokens], **cache.model_inputs()}
         with timed_forward(input_ids.device):
             if selects:
-                return model(**inputs, **cache.model_inputs(), use_cache=True, logits_to_keep=logits_to_keep).logits[0]
-            return model(**inputs, **cache.model_inputs(), use_cache=True).logits[0, logits_to_keep]
+                return model(**inputs, use_cache=True, logits_to_keep=logits_to_keep).logits[0]
+            return model(**inputs, use_cache=True).logits[0, logits_to_keep]
 
     return run_rows(cache, rows, counts, keep, forward, tree_mask=tree_mask)

@@ -20,6 +20,7 @@ Draft trees are refused (the model builds its own causal mask), as are image pro
 from __future__ import annotations
 
 import copy
+import inspect
 import weakref
 
 import numpy as np
@@ -41,6 +42,20 @@ def mark_own_attention(model: torch.nn.Module) -> None:
     _OWN_ATTENTION_MODELS.add(model)
 
 
+def generate_passes_position_ids(model: torch.nn.Module) -> bool:
+    """Whether plain generate() hands the model's forward position ids: it counts them from 0 for every forward
+    that takes them unless the model's `prepare_inputs_for_generation` drops them (Kosmos-2 / 2.5 count their own,
+    from the padding id and the cache length)."""
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return False
+    ids = torch.zeros((1, 2), dtype=torch.long, device=model.device)
+    prepared = model.prepare_inputs_for_generation(
+        ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(2, device=model.device)[None], use_cache=False,
+        is_first_iteration=True,
+    )  # fmt: skip
+    return prepared.get("position_ids") is not None
+
+
 class OwnAttentionCache(PagedKVCache):
     """`PagedKVCache`'s bookkeeping, with a transformers `DynamicCache` per row that the model itself
     reads and writes; `model_inputs()` hands the model the one of the row the last `prepare_forward` prepared."""
@@ -58,6 +73,8 @@ class OwnAttentionCache(PagedKVCache):
         self.row_caches: dict[int, DynamicCache] = {}
         self._active_row: int | None = None
         self._settled: set[int] = set()  # rows rolled back since their last forward
+        # the model counts a row's positions itself where plain generate() leaves them to it
+        self._own_positions = {} if generate_passes_position_ids(model) else {"position_ids": None}
 
     @property
     def one_row_per_forward(self) -> bool:
@@ -100,11 +117,13 @@ class OwnAttentionCache(PagedKVCache):
         return super().prepare_forward(rows, num_new_tokens)
 
     def model_inputs(self) -> dict:
-        """The row's own cache, and the attention mask plain generate() hands the model (no padding in a row alone)."""
+        """The row's own cache, and the attention mask plain generate() hands the model (no padding in a row alone);
+        no position ids where plain generate() hands none."""
         if self._active_row is None:
             raise RuntimeError("OwnAttentionCache: prepare_forward a row before the forward")
         length = self.seq_lens[self._active_row]
-        return {"cache": self.row_caches[self._active_row], "attention_mask": torch.ones((1, length), dtype=torch.long, device=self.device)}
+        mask = torch.ones((1, length), dtype=torch.long, device=self.device)
+        return {"cache": self.row_caches[self._active_row], "attention_mask": mask, **self._own_positions}
 
     def rollback(self, row: int, num_tokens: int) -> None:
         """As `PagedKVCache.rollback`; the row's own layers are cropped at its next forward. The loop never

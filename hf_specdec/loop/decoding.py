@@ -18,7 +18,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..cache.architectures import check_architecture
+from ..cache.architectures import check_architecture, padded_batch_problem
 from ..cache.own_attention import runs_own_attention
 from ..config import SpeculativeConfig
 from ..sampling.grammar import with_speculative_grammars
@@ -151,6 +151,15 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
     check_supported_processors(logits_processor)
     check_architecture(model)  # last: it may run a small probe forward, once per model
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        problem = padded_batch_problem(model)
+        if problem:
+            raise ValueError(
+                f"attention_mask: this {type(model).__name__} cannot take a left-padded batch exactly: {problem}. The "
+                "loop runs each row alone, so pass prompts of one length (or one prompt per call), or use "
+                "hf_specdec.SpeculativeEngine, whose requests each run alone"
+            )
     if runs_own_attention(model) and input_ids.shape[0] > 1:
         warnings.warn(
             f"this {type(model).__name__} runs on its own attention and cache, one forward per row: at batch size "
