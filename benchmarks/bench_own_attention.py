@@ -1,13 +1,15 @@
 """What running on the model's own attention and cache costs (`cache/own_attention.py`): SmolLM2-135M-Instruct
-forced onto that path against the same model on the paged cache, and plain `generate()`.
+forced onto that path (batched on one `DynamicCache`, and one row per forward) against the same model on the
+paged cache, and plain `generate()`.
 
 BLOOM, GPT-Neo, MPT and the other families that run on their own attention ship no small real checkpoint
 to these machines, so the cost is measured where the paged path also runs: the one real model here.
 Arms, interleaved per batch in one process (order rotated each repeat), fp32, greedy, the n-gram drafter
 (k=4, lookup 2..4), our CPU linears in every speculative arm and in a second plain arm: plain `generate()`,
-plain with the same CPU linears, ours paged, ours on its own attention. Batches of `--batch-sizes`
+plain with the same CPU linears, ours paged, ours on its own attention batched (BLOOM, GPT-Neo, MPT...), and
+one row per forward (models with sliding or recurrent layers on their own attention). Batches of `--batch-sizes`
 MT-bench / HumanEval prompts (left-padded), `--max-new-tokens` each; medians of tokens per second over
-`--repeats`. Both of ours must give plain `generate()`'s tokens (checked, reported).
+`--repeats`. Each of ours must give plain `generate()`'s tokens (checked, reported).
 
     python benchmarks/bench_own_attention.py --out benchmarks/bench_own_attention.json
 """
@@ -30,8 +32,11 @@ from hf_specdec.models.real_models import humaneval_prompts, load_smollm2, mtben
 CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
-def make_arms(paged, own, batch: dict, max_new_tokens: int) -> dict:
-    """The four arms on `batch`, each a function returning its sequences."""
+OURS = ("ours, paged", "ours, own attention batched", "ours, own attention per row")
+
+
+def make_arms(paged, batched, per_row, batch: dict, max_new_tokens: int) -> dict:
+    """The five arms on `batch`, each a function returning its sequences."""
     options = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
 
     def plain(fast: bool):
@@ -42,7 +47,8 @@ def make_arms(paged, own, batch: dict, max_new_tokens: int) -> dict:
         "plain": lambda: plain(False),
         "plain, same CPU linears": lambda: plain(True),
         "ours, paged": lambda: paged.generate(**batch, **options, speculative_config=CONFIG),
-        "ours, own attention": lambda: own.generate(**batch, **options, speculative_config=CONFIG),
+        "ours, own attention batched": lambda: batched.generate(**batch, **options, speculative_config=CONFIG),
+        "ours, own attention per row": lambda: per_row.generate(**batch, **options, speculative_config=CONFIG),
     }
 
 
@@ -55,16 +61,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     paged, tokenizer = load_smollm2()
-    own, _ = load_smollm2()
-    mark_own_attention(own)  # as check_architecture marks a model the paged attention cannot run
-    for model in (paged, own):
+    batched, per_row = load_smollm2()[0], load_smollm2()[0]
+    # as check_architecture marks a model the paged attention cannot run (its layers all plain DynamicLayers,
+    # or, as where sliding or recurrent layers hold the rows' caches, one row per forward)
+    mark_own_attention(batched, batched=True)
+    mark_own_attention(per_row)
+    for model in (paged, batched, per_row):
         hf_specdec.enable(model)
     results = []
     for prompts_name, prompts in (("mt-bench", mtbench_prompts(tokenizer)), ("humaneval", humaneval_prompts(tokenizer))):
         for batch_size in args.batch_sizes:
             batch = tokenizer(prompts[:batch_size], return_tensors="pt", padding=True)
             new_tokens = args.max_new_tokens * batch_size
-            arms = make_arms(paged, own, batch, args.max_new_tokens)
+            arms = make_arms(paged, batched, per_row, batch, args.max_new_tokens)
             outputs = {name: arm() for name, arm in arms.items()}  # warm-up (plans, verdicts), and the tokens
             seconds: dict[str, list[float]] = {name: [] for name in arms}
             names = list(arms)
@@ -79,16 +88,15 @@ def main() -> None:
                 "batch_size": batch_size,
                 "tokens_per_second": {name: new_tokens / s for name, s in medians.items()},
                 "seconds": seconds,
-                "identical_to_plain": {
-                    name: bool(torch.equal(outputs[name], outputs["plain"])) for name in ("ours, paged", "ours, own attention")
-                },
+                "identical_to_plain": {name: bool(torch.equal(outputs[name], outputs["plain"])) for name in OURS},
             }
             tps = row["tokens_per_second"]
             print(
                 f"{prompts_name} batch {batch_size}: "
                 + ", ".join(f"{name} {value:.1f} tok/s" for name, value in tps.items())
-                + f"; own / paged {tps['ours, own attention'] / tps['ours, paged']:.2f}, own / plain "
-                f"{tps['ours, own attention'] / tps['plain']:.2f}x, identical {row['identical_to_plain']}",
+                + "; x plain (x same linears): "
+                + ", ".join(f"{n} {tps[n] / tps['plain']:.2f}x ({tps[n] / tps['plain, same CPU linears']:.2f}x)" for n in OURS)
+                + f"; identical {row['identical_to_plain']}",
                 flush=True,
             )
             results.append(row)

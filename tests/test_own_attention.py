@@ -18,7 +18,13 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 import hf_specdec
 from hf_specdec.cache.architectures import check_architecture, padded_batch_problem
-from hf_specdec.cache.own_attention import OwnAttentionCache, mark_own_attention, runs_own_attention
+from hf_specdec.cache.own_attention import (
+    BatchedOwnAttentionCache,
+    RowOwnAttentionCache,
+    mark_own_attention,
+    runs_one_row_per_forward,
+    runs_own_attention,
+)
 from hf_specdec.cache.paged_cache import PagedKVCache
 from hf_specdec.loop.prefill import check_model_prefill
 
@@ -34,7 +40,9 @@ def own_attention_mistral(seed_copy: bool = False):
 def test_sliding_window_model_on_its_own_cache_equals_plain_generate():
     """n-gram drafts (k=4, most rejected), a draft model on its own cache too (k=3, most accepted) and
     layer_skip (its drafts write the first layer only, then are cropped back): identical to plain
-    generate() on a left-padded batch of 3, drafts accepted and rejected."""
+    generate() on a left-padded batch of 3, drafts accepted and rejected; one row per forward (a sliding
+    layer's cache cannot be batched so), with a warning that this is likely slower than plain generate()
+    there, in generate() and in an engine built for several requests."""
     model = own_attention_mistral()
     inputs = left_padded_batch(long_prompts(3))
     assert inputs["input_ids"].shape[1] > 8
@@ -46,11 +54,14 @@ def test_sliding_window_model_on_its_own_cache_equals_plain_generate():
         {"method": "draft_model", "model": draft, "num_speculative_tokens": 3},
         {"method": "layer_skip", "early_exit_layer": 1, "num_speculative_tokens": 3},
     ):
-        out = speculate(model, inputs, 30, **config)
+        with pytest.warns(UserWarning, match="one forward per row: at batch size 3 speculative decoding is likely slower"):
+            out = speculate(model, inputs, 30, **config)
         accepted, drafted = out.spec_metrics["num_accepted_tokens"], out.spec_metrics["num_draft_tokens"]
         assert torch.equal(out.sequences, plain) and 0 < accepted < drafted, (config["method"], accepted, drafted)
     cache = PagedKVCache.for_model(model, num_blocks=4)
-    assert isinstance(cache, OwnAttentionCache) and cache.one_row_per_forward
+    assert isinstance(cache, RowOwnAttentionCache) and cache.one_row_per_forward
+    with pytest.warns(UserWarning, match="one forward per row: with several requests at once the engine is likely slower"):
+        hf_specdec.SpeculativeEngine(model, {"method": "ngram", "num_speculative_tokens": 3}, max_batch_size=2)
 
 
 def test_a_rollback_that_does_not_crop_the_rows_cache_shows(monkeypatch):
@@ -65,40 +76,61 @@ def test_a_rollback_that_does_not_crop_the_rows_cache_shows(monkeypatch):
     assert not torch.equal(out.sequences, plain)
 
 
-def test_bloom_runs_on_its_own_attention_in_the_engine_and_with_eagle3():
-    """BLOOM (ALiBi, its attention computed in the layer itself) is found to need its own attention; the
-    engine gives each request plain generate()'s tokens for its prompt alone, one joining mid-flight;
-    an EAGLE-3 head bound to it drafts, identical too, with a warning that at batch size > 1 one forward
-    per row is likely slower than plain generate(); draft trees and image inputs are refused with the reason."""
+def test_bloom_runs_batched_on_its_own_attention_in_the_engine_and_with_eagle3():
+    """BLOOM (ALiBi, its attention computed in the layer itself) is found to need its own attention, and to run
+    batched on one `DynamicCache` (its layers all plain `DynamicLayer`s): the engine gives each of three
+    requests plain generate()'s tokens for its prompt alone, two at a time (one joining mid-flight, the third
+    taking a finished one's slot); an EAGLE-3 head bound to it drafts, identical too; no warning of one
+    forward per row; draft trees and image inputs are refused with the reason."""
     model = hf_specdec.enable(families.build_tiny_model("bloom"))
     check_architecture(model)
-    assert runs_own_attention(model)
-    prompts = long_prompts(2, lengths=(23, 35))
+    assert runs_own_attention(model) and not runs_one_row_per_forward(model)
+    prompts = long_prompts(3, lengths=(23, 35, 29))
     expected = [
         plain_generate(model, input_ids=torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p) :].tolist()
         for p in prompts
     ]
-    with pytest.warns(UserWarning, match="one forward per row: with several requests at once the engine is likely slower"):
-        config = {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3}
+    config = {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         engine = hf_specdec.SpeculativeEngine(model, config, max_batch_size=2)
+    assert not [w for w in caught if "one forward per row" in str(w.message)]
+    assert isinstance(engine.cache, BatchedOwnAttentionCache)
     first = engine.add_request(prompts[0], {"max_new_tokens": 20, "do_sample": False})
     outputs = list(engine.step()) + list(engine.step())
     second = engine.add_request(prompts[1], {"max_new_tokens": 20, "do_sample": False})
-    for _ in range(60):
+    third = engine.add_request(prompts[2], {"max_new_tokens": 20, "do_sample": False})
+    for _ in range(90):
         outputs += engine.step()
     finished = {o.request_id: o.token_ids for o in outputs if o.finished}
-    assert finished == {first: expected[0], second: expected[1]} and engine.num_kv_blocks_used == 0
+    assert finished == {first: expected[0], second: expected[1], third: expected[2]}
+    assert engine.num_kv_blocks_used == 0 and engine.metrics.num_accepted_tokens > 0
 
     inputs = left_padded_batch(prompts)
     plain = plain_generate(model, **inputs, max_new_tokens=20, do_sample=False)
     head = hf_specdec.EagleHead.for_target(model, "eagle3", seed=0)
-    with pytest.warns(UserWarning, match="one forward per row: at batch size 2 speculative decoding is likely slower"):
-        out = speculate(model, inputs, 20, method="eagle3", model=head, num_speculative_tokens=2)
+    out = speculate(model, inputs, 20, method="eagle3", model=head, num_speculative_tokens=2)
     assert torch.equal(out.sequences, plain) and out.spec_metrics["num_draft_tokens"] > 0
     with pytest.raises(ValueError, match="speculative_config.tree is not supported on models with their own attention"):
         speculate(model, inputs, 20, tree={"num_nodes": 8, "topk": 2})
     with pytest.raises(ValueError, match=r"model inputs \['pixel_values'\] are not supported for model_type='bloom': it runs on its own"):
         check_model_prefill(model, {"pixel_values": torch.zeros(1, 3, 8, 8)})
+
+
+def test_a_batch_whose_left_padding_the_model_sees_differs(monkeypatch):
+    """The broken variant of the batched cache: rows realigned after a rejection, their left padding left
+    visible to the model's attention (an all-ones mask), no longer give plain generate()'s tokens."""
+    model = families.build_tiny_model("bloom")
+    inputs = left_padded_batch(long_prompts(3))
+    plain = plain_generate(model, **inputs, max_new_tokens=30, do_sample=False)
+    out = speculate(model, inputs, 30, method="ngram", num_speculative_tokens=4)
+    assert torch.equal(out.sequences, plain) and 0 < out.spec_metrics["num_accepted_tokens"]
+    def unmasked(self) -> dict:
+        return {"cache": self.batch_cache, "attention_mask": torch.ones_like(self._mask)}
+
+    monkeypatch.setattr(BatchedOwnAttentionCache, "model_inputs", unmasked)
+    out = speculate(model, inputs, 30, method="ngram", num_speculative_tokens=4)
+    assert not torch.equal(out.sequences, plain)
 
 
 def test_what_its_own_attention_cannot_run_exactly_stays_refused():

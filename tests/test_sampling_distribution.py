@@ -343,17 +343,30 @@ def test_sampling_on_sparse_indexed_attention_matches_exact_distribution(monkeyp
     )
 
 
-def test_sampling_on_own_attention_matches_exact_distribution(monkeypatch):
-    """BLOOM on its own attention and `DynamicCache` (one row per forward, rolled back by cropping);
-    broken: a rollback that keeps the rejected drafts' keys (crops the oldest instead)."""
+@pytest.mark.parametrize("batched", [True, False])
+def test_sampling_on_own_attention_matches_exact_distribution(monkeypatch, batched):
+    """BLOOM on its own attention: batched on one `DynamicCache` (rows realigned after each step), broken: a
+    rollback that leaves the rejected drafts' keys in the batch; or one row per forward on a `DynamicCache`
+    each (rolled back by cropping), broken: a rollback that keeps the rejected drafts' keys (crops the oldest)."""
     from transformers.cache_utils import DynamicLayer
 
-    from hf_specdec.cache.own_attention import runs_own_attention
+    from hf_specdec.cache.architectures import check_architecture
+    from hf_specdec.cache.own_attention import (
+        BatchedOwnAttentionCache,
+        mark_own_attention,
+        runs_one_row_per_forward,
+    )
 
     def crop_the_oldest(layer, tokens_to_remove: int) -> None:  # the right length, the rejected drafts' keys kept
         if tokens_to_remove < 0:
             layer.keys, layer.values = layer.keys[..., -tokens_to_remove:, :], layer.values[..., -tokens_to_remove:, :]
 
     model = hf_specdec.enable(small_vocab_family_model("bloom"))
-    assert_follows_exact_distribution_until_broken(model, 5, lambda: monkeypatch.setattr(DynamicLayer, "crop", crop_the_oldest))
-    assert runs_own_attention(model)
+    check_architecture(model)
+    if batched:
+        break_it = lambda: monkeypatch.setattr(BatchedOwnAttentionCache, "rollback", lambda cache, row, n: None)  # noqa: E731
+    else:
+        mark_own_attention(model)  # one row per forward, as a model with sliding layers runs
+        break_it = lambda: monkeypatch.setattr(DynamicLayer, "crop", crop_the_oldest)  # noqa: E731
+    assert runs_one_row_per_forward(model) != batched
+    assert_follows_exact_distribution_until_broken(model, 5, break_it)

@@ -34,7 +34,14 @@ from transformers import LogitsProcessor, PreTrainedModel
 from transformers.utils.generic import TransformersKwargs
 
 from .forward import forward_tokens
-from .own_attention import OwnAttentionCache, generate_passes_position_ids, mark_own_attention
+from .own_attention import (
+    BatchedOwnAttentionCache,
+    OwnAttentionCache,
+    RowOwnAttentionCache,
+    batches_plainly,
+    generate_passes_position_ids,
+    mark_own_attention,
+)
 from .paged_attention import (
     ModelInUseError,
     UnsupportedAttentionError,
@@ -85,8 +92,10 @@ def _verdict(model: PreTrainedModel) -> str:
             if problem:
                 own_problem = _checked(_own_attention_problem, model, "its forward does not run on its own cache")
                 if not own_problem:
-                    mark_own_attention(model)
-                    _PADDED_BATCH_PROBLEMS[model] = _checked(_padded_generate_problem, model, "plain generate() fails")
+                    padded = _PADDED_BATCH_PROBLEMS[model] = _checked(_padded_generate_problem, model, "plain generate() fails")
+                    # one forward for the batch where plain generate()'s left-padded batch is what the rows alone give
+                    batched = not padded and batches_plainly(model) and not _checked(_batched_problem, model, "batched")
+                    mark_own_attention(model, batched=batched)
                     return ""
                 problem = f"{problem}; on its own attention and cache: {own_problem}"
             else:
@@ -363,6 +372,13 @@ def _own_forward_logits(model: PreTrainedModel, tokens: torch.Tensor) -> torch.T
     return model(**inputs, use_cache=False).logits[0].float().cpu()
 
 
+def _batched_problem(model: PreTrainedModel) -> str:
+    """The own-attention probe with both rows in one forward on one `DynamicCache` (`BatchedOwnAttentionCache`):
+    row 1 gets fewer new tokens than row 0 in each (padding after them), is realigned between them, and row 0
+    rolled back and fed again moves it once more."""
+    return _own_attention_problem(model, BatchedOwnAttentionCache)
+
+
 class _FeedTokens(LogitsProcessor):
     """Makes generate() pick `tokens` in turn, whatever the logits: the compared logits then all follow
     the same inputs (a near-tie's argmax cannot send two runs apart)."""
@@ -410,12 +426,12 @@ def _padded_generate_problem(model: PreTrainedModel, steps: int = 3) -> str:
     return ""
 
 
-def _own_attention_problem(model: PreTrainedModel) -> str:
-    """The probe on the model's own attention and a `DynamicCache` per row (`OwnAttentionCache`, one row
-    per forward): the same two forwards, then row 0 rolled back by one token and that token fed
-    again, must give the model's own forward's logits; '' when they do."""
+def _own_attention_problem(model: PreTrainedModel, cache_class: type[OwnAttentionCache] = RowOwnAttentionCache) -> str:
+    """The probe on the model's own attention: a `DynamicCache` per row (`RowOwnAttentionCache`, one row per
+    forward) or one for the batch (`BatchedOwnAttentionCache`). The same two forwards, then row 0 rolled
+    back by one token and that token fed again, must give the model's own forward's logits; '' when they do."""
     rows = _probe_rows(model)
-    cache = OwnAttentionCache(
+    cache = cache_class(
         model, max_rollback=2, num_layers=model.config.get_text_config().num_hidden_layers, num_blocks=8, block_size=4,
         device=model.device,
     )  # fmt: skip

@@ -77,6 +77,8 @@ def forward_tokens(
     selects = takes_logits_to_keep(type(model))
 
     def forward(tokens: slice, kept: np.ndarray) -> torch.Tensor:
+        if cache.batch_layout is not None:  # a batch on the model's own cache (own_attention.py)
+            return _batched_forward(model, cache, input_ids[tokens], position_ids[tokens], kept, selects)
         logits_to_keep = to_device([kept], input_ids.device)[0]
         inputs = {"input_ids": input_ids[None, tokens], "position_ids": position_ids[None, tokens], **cache.model_inputs()}
         with timed_forward(input_ids.device):
@@ -85,3 +87,20 @@ def forward_tokens(
             return model(**inputs, use_cache=True).logits[0, logits_to_keep]
 
     return run_rows(cache, rows, counts, keep, forward, tree_mask=tree_mask)
+
+
+def _batched_forward(
+    model: PreTrainedModel, cache: PagedKVCache, input_ids: torch.Tensor, position_ids: torch.Tensor, kept: np.ndarray,
+    selects: bool,
+) -> torch.Tensor:  # fmt: skip
+    """The forward of packed tokens laid out `[rows, width]` (`cache.batch_layout`): the logits at `kept`."""
+    layout = cache.batch_layout
+    needed, picked = np.unique(layout.columns[kept], return_inverse=True)
+    logits_to_keep, rows, picked = to_device([needed, layout.slots[kept], picked], input_ids.device)
+    inputs = {"input_ids": layout.scatter(input_ids), "position_ids": layout.scatter(position_ids), **cache.model_inputs()}
+    with timed_forward(input_ids.device):
+        if selects:
+            logits = model(**inputs, use_cache=True, logits_to_keep=logits_to_keep).logits
+        else:
+            logits = model(**inputs, use_cache=True).logits[:, logits_to_keep]
+    return logits[rows, picked]

@@ -1,36 +1,46 @@
-"""The model's own attention and cache, one row per forward: for models the paged attention cannot run exactly.
+"""The model's own attention and cache: for models the paged attention cannot run exactly.
 
 Some models compute attention themselves instead of calling transformers' `AttentionInterface`
 (BLOOM, GPT-Neo, MPT and other ALiBi or hand-masked models), build masks from inputs laid out by
 batch row (BERT-style decoders), hand their attention a bias (T5-style `position_bias`) or count
 positions in ways the packed layout does not reproduce (DiffLlama). The paged path refuses them
 (`architectures.py`). transformers' own assisted generation runs them at batch size 1 on the model's
-`DynamicCache`, cropped after a rejection; this cache does the same for every row of a batch: each
-row gets a `DynamicCache` built as plain `generate()` builds it (sliding layers included, recording
-their past so they can be cropped back), the model runs one row per forward (no padding in it) with
-its own attention and masks, and a rollback crops the row's layers.
+`DynamicCache`, cropped after a rejection. Two caches here do it for a batch:
 
-The block bookkeeping of `PagedKVCache` is kept (block tables, lengths, the allocator), so the loop,
-the engine's admission and its KV metrics are unchanged; the pools themselves are never written.
-Slower than the paged path (one forward per row, the cache re-concatenated each step), and exact:
-`architectures.py` checks that a row's logits on it equal the model's own forward, rollback included.
-Draft trees are refused (the model builds its own causal mask), as are image prompts.
+- `BatchedOwnAttentionCache`, where every cache layer is a plain `DynamicLayer` (BLOOM, GPT-Neo, MPT,
+  XGLM...): one `DynamicCache` for the whole batch, laid out as plain `generate()` lays out a
+  left-padded batch, so one forward serves every row. Rows accept different numbers of drafts, so
+  before each forward every layer is realigned (one gather: each row's kept keys end at the same
+  column, left padding before them); the new tokens of rows with fewer of them are padded on the
+  right, where no real query sees them, and dropped by the next realignment.
+- `RowOwnAttentionCache` otherwise (sliding windows, recurrent layers, and models whose plain
+  `generate()` reads a padded row differently): a `DynamicCache` per row, recording its past so that
+  sliding and recurrent layers can be cropped back, one row per forward (no padding in it).
+
+Both keep `PagedKVCache`'s block bookkeeping (block tables, lengths, the allocator), so the loop, the
+engine's admission and its KV metrics are unchanged; the pools themselves are never written. Exact:
+`architectures.py` checks that rows fed in pieces on them give the model's own logits, rollback
+included. Draft trees are refused (the model builds its own causal mask), as are image prompts.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import weakref
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from ..transfer import to_device
 from .paged_cache import PagedAttentionMetadata, PagedKVCache
 
-# models `architectures.py` found exact on this cache and not on the paged path (kept per model object)
+# models `architectures.py` found exact on these caches and not on the paged path (kept per model object),
+# and those of them found exact batched
 _OWN_ATTENTION_MODELS: weakref.WeakSet = weakref.WeakSet()
+_BATCHED_MODELS: weakref.WeakSet = weakref.WeakSet()
 
 
 def runs_own_attention(model: torch.nn.Module) -> bool:
@@ -38,8 +48,29 @@ def runs_own_attention(model: torch.nn.Module) -> bool:
     return model in _OWN_ATTENTION_MODELS
 
 
-def mark_own_attention(model: torch.nn.Module) -> None:
+def runs_one_row_per_forward(model: torch.nn.Module) -> bool:
+    """Whether the model runs on its own attention one row per forward (`RowOwnAttentionCache`)."""
+    return model in _OWN_ATTENTION_MODELS and model not in _BATCHED_MODELS
+
+
+def mark_own_attention(model: torch.nn.Module, batched: bool = False) -> None:
     _OWN_ATTENTION_MODELS.add(model)
+    if batched:
+        _BATCHED_MODELS.add(model)
+    else:
+        _BATCHED_MODELS.discard(model)
+
+
+def own_attention_cache(model: torch.nn.Module, max_rollback: int, **kwargs) -> OwnAttentionCache:
+    """The cache a model marked by `mark_own_attention` runs on (`kwargs`: `PagedKVCache`'s)."""
+    cache_class = RowOwnAttentionCache if runs_one_row_per_forward(model) else BatchedOwnAttentionCache
+    return cache_class(model, max_rollback, **kwargs)
+
+
+def batches_plainly(model: torch.nn.Module) -> bool:
+    """Whether every layer of the `DynamicCache` plain generate() builds for `model` is a plain `DynamicLayer`
+    (what `BatchedOwnAttentionCache` realigns)."""
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
 
 def generate_passes_position_ids(model: torch.nn.Module) -> bool:
@@ -57,32 +88,53 @@ def generate_passes_position_ids(model: torch.nn.Module) -> bool:
 
 
 class OwnAttentionCache(PagedKVCache):
-    """`PagedKVCache`'s bookkeeping, with a transformers `DynamicCache` per row that the model itself
-    reads and writes; `model_inputs()` hands the model the one of the row the last `prepare_forward` prepared."""
+    """What both own-attention caches share: the `DynamicCache` plain generate() builds for the model, with
+    every layer that would drop tokens (sliding windows, recurrent states) keeping them until `crop`, as
+    assisted generation does; no draft trees, no reads of the pools."""
 
     def __init__(self, model: torch.nn.Module, max_rollback: int, **kwargs):
         super().__init__(**kwargs)
-        # what plain generate() builds for the model (`_prepare_cache_for_generation`), with every layer that would
-        # drop tokens (sliding windows, recurrent states) keeping them until `crop`, as assisted generation does;
-        # each row gets a copy of it, made now: layer_skip cuts the model's layers while it drafts
+        # made now: layer_skip cuts the model's layers while it drafts
         self._empty_cache = DynamicCache(config=model.config)
         self._empty_cache.activate_past_recording(recurrent_states_to_keep=max_rollback + 1)
         # a recurrent layer keeps the states of a forward's last `max_rollback + 1` tokens (the model hands them)
         records_states = any(hasattr(layer, "recurrent_states_history") for layer in self._empty_cache.layers)
         self._rollback_reach = max_rollback if records_states else None
-        self.row_caches: dict[int, DynamicCache] = {}
-        self._active_row: int | None = None
-        self._settled: set[int] = set()  # rows rolled back since their last forward
         # the model counts a row's positions itself where plain generate() leaves them to it
         self._own_positions = {} if generate_passes_position_ids(model) else {"position_ids": None}
 
     @property
-    def one_row_per_forward(self) -> bool:
-        return True
-
-    @property
     def rollback_reach(self) -> int | None:
         return self._rollback_reach
+
+    @staticmethod
+    def _refuse_trees(tree_mask: np.ndarray | None) -> None:
+        if tree_mask is not None:
+            raise ValueError(
+                "draft trees are not supported on models that run on their own attention (they build their own causal mask)"
+            )
+
+    def move_tokens(self, moves: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        if any(not np.array_equal(src, dst) for _, src, dst in moves):
+            raise ValueError("OwnAttentionCache cannot move tokens (draft trees are not supported on it)")
+
+    def describe_reads(self, rows: list[int]) -> PagedAttentionMetadata:
+        raise ValueError("a drafter reading the target's KV pools (Gemma 4's assistant) needs the paged attention")
+
+
+class RowOwnAttentionCache(OwnAttentionCache):
+    """A transformers `DynamicCache` per row that the model itself reads and writes; `model_inputs()` hands the
+    model the one of the row the last `prepare_forward` prepared."""
+
+    def __init__(self, model: torch.nn.Module, max_rollback: int, **kwargs):
+        super().__init__(model, max_rollback, **kwargs)
+        self.row_caches: dict[int, DynamicCache] = {}
+        self._active_row: int | None = None
+        self._settled: set[int] = set()  # rows rolled back since their last forward
+
+    @property
+    def one_row_per_forward(self) -> bool:
+        return True
 
     def _row_cache(self, row: int) -> DynamicCache:
         cache = self.row_caches.get(row)
@@ -94,11 +146,8 @@ class OwnAttentionCache(PagedKVCache):
         self, rows: list[int], num_new_tokens: list[int], tree_mask: np.ndarray | None = None
     ) -> PagedAttentionMetadata:
         if len(rows) != 1:
-            raise RuntimeError("OwnAttentionCache takes one row per forward (forward.run_rows)")
-        if tree_mask is not None:
-            raise ValueError(
-                "draft trees are not supported on models that run on their own attention (they build their own causal mask)"
-            )
+            raise RuntimeError("RowOwnAttentionCache takes one row per forward (forward.run_rows)")
+        self._refuse_trees(tree_mask)
         row = rows[0]
         cache = self._row_cache(row)
         held = self.seq_lens.get(row, 0)
@@ -138,9 +187,143 @@ class OwnAttentionCache(PagedKVCache):
         if self._active_row == row:
             self._active_row = None
 
-    def move_tokens(self, moves: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
-        if any(not np.array_equal(src, dst) for _, src, dst in moves):
-            raise ValueError("OwnAttentionCache cannot move tokens (draft trees are not supported on it)")
 
-    def describe_reads(self, rows: list[int]) -> PagedAttentionMetadata:
-        raise ValueError("a drafter reading the target's KV pools (Gemma 4's assistant) needs the paged attention")
+
+@dataclasses.dataclass
+class BatchLayout:
+    """Where a forward's packed tokens sit in the batched `[batch_size, width]` input: token i at
+    (`slots[i]`, `columns[i]`); each row's new tokens from column 0, the rest padding."""
+
+    slots: np.ndarray
+    columns: np.ndarray
+    batch_size: int
+    width: int
+
+    def scatter(self, packed: torch.Tensor) -> torch.Tensor:
+        """`packed` `[num_tokens]` laid out `[batch_size, width]`, padding 0 (masked out: no real query sees it)."""
+        slots, columns = to_device([self.slots, self.columns], packed.device)
+        batched = packed.new_zeros((self.batch_size, self.width))
+        batched[slots, columns] = packed
+        return batched
+
+
+class BatchedOwnAttentionCache(OwnAttentionCache):
+    """One `DynamicCache` for the whole batch, every row in a slot of its batch dimension. Before each forward
+    each layer is realigned so that every row's kept keys end at the same column (`width`, the most any row
+    holds), as plain generate()'s left-padded batch; the forward appends `chunk` columns (each row's new
+    tokens first, padding after them). A rollback only shortens the row's count: the next realignment
+    drops what it no longer holds. A layer a forward did not run (layer_skip's drafts run the first
+    layers) keeps what it held, and gets the rows' tokens again at the verify."""
+
+    def __init__(self, model: torch.nn.Module, max_rollback: int, **kwargs):
+        super().__init__(model, max_rollback, **kwargs)
+        self.batch_cache = copy.deepcopy(self._empty_cache)
+        num_layers = len(self.batch_cache.layers)
+        self.slots: list[int | None] = []  # the row in each batch slot (None: free)
+        self._slot_of: dict[int, int] = {}
+        # per layer: the keys each slot holds, the column after its last one, and the layer's width
+        self._held = [np.zeros(0, dtype=np.int64) for _ in range(num_layers)]
+        self._ends = [np.zeros(0, dtype=np.int64) for _ in range(num_layers)]
+        self._widths = [0] * num_layers
+        self._last_forward: tuple[np.ndarray, np.ndarray, int] | None = None  # (held, tokens each slot got, chunk)
+        self._mask: torch.Tensor | None = None
+        self.batch_layout: BatchLayout | None = None
+
+    def prepare_forward(
+        self, rows: list[int], num_new_tokens: list[int], tree_mask: np.ndarray | None = None
+    ) -> PagedAttentionMetadata:
+        self._refuse_trees(tree_mask)
+        self._account_last_forward()
+        self._assign_slots(rows)
+        held = np.array([0 if row is None else self.seq_lens.get(row, 0) for row in self.slots], dtype=np.int64)
+        width = int(held.max(initial=0))
+        for index, layer in enumerate(self.batch_cache.layers):
+            self._realign(index, layer, held, width)
+
+        counts = np.asarray(num_new_tokens, dtype=np.int64)
+        chunk = int(counts.max())
+        row_slots = np.array([self._slot_of[row] for row in rows], dtype=np.int64)
+        got = np.zeros(len(self.slots), dtype=np.int64)
+        got[row_slots] = counts
+        mask = np.zeros((len(self.slots), width + chunk), dtype=np.int64)
+        mask[:, :width] = np.arange(width)[None, :] >= (width - held)[:, None]
+        mask[:, width:] = np.arange(chunk)[None, :] < got[:, None]
+        mask[(got == 0) & (held == 0), width:] = 1  # an empty slot's padding attends to itself, not to nothing (NaN)
+        self._mask = to_device([mask], self.device)[0]
+        self.batch_layout = BatchLayout(
+            slots=np.repeat(row_slots, counts), columns=np.concatenate([np.arange(n) for n in counts]),
+            batch_size=len(self.slots), width=chunk,
+        )  # fmt: skip
+        self._last_forward = (held, got, chunk)
+        return super().prepare_forward(rows, num_new_tokens)
+
+    def _assign_slots(self, rows: list[int]) -> None:
+        for row in rows:
+            if row not in self._slot_of:
+                free = self.slots.index(None) if None in self.slots else len(self.slots)
+                if free == len(self.slots):
+                    self.slots.append(None)
+                self.slots[free], self._slot_of[row] = row, free
+        while self.slots and self.slots[-1] is None:  # the batch shrinks from its end
+            self.slots.pop()
+        size = len(self.slots)
+        for index in range(len(self._held)):
+            self._held[index] = np.pad(self._held[index], (0, max(size - len(self._held[index]), 0)))[:size]
+            self._ends[index] = np.pad(self._ends[index], (0, max(size - len(self._ends[index]), 0)))[:size]
+
+    def _account_last_forward(self) -> None:
+        """Each layer the last forward ran holds its rows' new tokens (padding after them)."""
+        if self._last_forward is None:
+            return
+        held, got, chunk = self._last_forward
+        self._last_forward = None
+        # rows fed, still held (a row may end right after its verify); each new token right after all they held
+        fed = (got > 0) & np.array([row is not None for row in self.slots], dtype=bool)
+        for index, layer in enumerate(self.batch_cache.layers):
+            width = int(layer.get_seq_length())
+            if width == self._widths[index]:
+                continue  # not run
+            if width != self._widths[index] + chunk or np.any(self._held[index][fed] != held[fed]):
+                raise RuntimeError(f"BatchedOwnAttentionCache: layer {index} ran on rows it did not hold whole")
+            self._held[index] = np.where(fed, self._held[index] + got, self._held[index])
+            self._ends[index] = np.where(fed, self._widths[index] + got, self._ends[index])
+            self._widths[index] = width
+
+    def _realign(self, index: int, layer, held: np.ndarray, width: int) -> None:
+        """Layer `index` laid out for the next forward: each slot's first min(its keys, `held`) keys from
+        column `width - held` on; one gather over the batch, or a crop where no slot moves."""
+        kept = np.minimum(self._held[index], held)
+        ends = self._ends[index] - (self._held[index] - kept)
+        target_ends = width - held + kept
+        old_width = self._widths[index]
+        old_batch = int(layer.keys.shape[0]) if old_width else 0
+        if old_width == 0:  # never run yet (layer_skip's first drafts): it gets every row's tokens at the verify
+            self._held[index], self._ends[index] = np.zeros_like(kept), np.zeros_like(kept)
+            return
+        self._held[index], self._ends[index], self._widths[index] = kept, target_ends, width
+        if old_batch == len(self.slots) and width <= old_width and np.array_equal(ends, target_ends):
+            if width < old_width:
+                layer.crop(width - old_width)
+            return
+        columns = np.arange(width)[None, :]
+        source = np.clip(ends[:, None] - target_ends[:, None] + columns, 0, old_width - 1)  # left padding: anything
+        slots, source = to_device([np.minimum(np.arange(len(self.slots)), old_batch - 1), source], layer.keys.device)
+        for name in ("keys", "values"):
+            states = getattr(layer, name).index_select(0, slots)
+            index_ = source[:, None, :, None].expand(len(self.slots), states.shape[1], width, states.shape[3])
+            setattr(layer, name, states.gather(2, index_))
+
+    def model_inputs(self) -> dict:
+        """The batch's cache and the attention mask of the prepared forward (left padding, each row's new tokens);
+        no position ids where plain generate() hands none."""
+        if self._mask is None:
+            raise RuntimeError("BatchedOwnAttentionCache: prepare_forward before the forward")
+        return {"cache": self.batch_cache, "attention_mask": self._mask, **self._own_positions}
+
+    def free_row(self, row: int) -> None:
+        super().free_row(row)
+        slot = self._slot_of.pop(row, None)
+        if slot is not None:
+            self.slots[slot] = None
+            for held in self._held:
+                held[slot] = 0

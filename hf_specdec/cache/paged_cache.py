@@ -407,10 +407,10 @@ class PagedKVCache(Cache):
         take back by up to `max_rollback` tokens; `UnsupportedModelError` for a layer type it cannot hold.
         A model that runs on its own attention (`own_attention.py`) gets an `OwnAttentionCache`."""
         config = model.config.get_text_config()
-        from .own_attention import OwnAttentionCache, runs_own_attention  # it subclasses this one
+        from .own_attention import own_attention_cache, runs_own_attention  # it subclasses this one
 
         if runs_own_attention(model):
-            return OwnAttentionCache(
+            return own_attention_cache(
                 model, max_rollback, num_layers=num_layers or config.num_hidden_layers, num_blocks=num_blocks,
                 block_size=block_size, device=model.device, layer_kinds=layer_attention(config),
             )  # fmt: skip
@@ -423,6 +423,10 @@ class PagedKVCache(Cache):
             layer_kinds=layer_attention(config),
             recurrent=recurrent_states_for(config, max_rollback),
         )
+
+    # where a forward's tokens sit in the model's input: None, packed [1, tokens] (a batch of the model's
+    # own lays them out [rows, width]: own_attention.BatchLayout)
+    batch_layout = None
 
     @property
     def one_row_per_forward(self) -> bool:

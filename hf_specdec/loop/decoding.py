@@ -19,7 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.architectures import check_architecture, padded_batch_problem
-from ..cache.own_attention import runs_own_attention
+from ..cache.own_attention import runs_one_row_per_forward
 from ..config import SpeculativeConfig
 from ..sampling.grammar import with_speculative_grammars
 from ..sampling.logits_processing import StopChecker, check_supported_processors
@@ -160,7 +160,7 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
                 "loop runs each row alone, so pass prompts of one length (or one prompt per call), or use "
                 "hf_specdec.SpeculativeEngine, whose requests each run alone"
             )
-    if runs_own_attention(model) and input_ids.shape[0] > 1:
+    if runs_one_row_per_forward(model) and input_ids.shape[0] > 1:
         warnings.warn(
             f"this {type(model).__name__} runs on its own attention and cache, one forward per row: at batch size "
             f"{input_ids.shape[0]} speculative decoding is likely slower than plain generate() (SmolLM2 made to run "

@@ -56,7 +56,7 @@ from transformers import (
 from transformers.generation import stopping_criteria as hf_stopping
 
 from ..cache.architectures import check_architecture
-from ..cache.own_attention import OwnAttentionCache, runs_own_attention
+from ..cache.own_attention import OwnAttentionCache, runs_one_row_per_forward
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
@@ -180,7 +180,7 @@ class SpeculativeEngine:
                 "(its requests mix greedy and sampled rows); allowed: 'token'"
             )
         check_architecture(model)
-        if runs_own_attention(model) and max_batch_size > 1:
+        if runs_one_row_per_forward(model) and max_batch_size > 1:
             warnings.warn(
                 f"this {type(model).__name__} runs on its own attention and cache, one forward per row: with several "
                 "requests at once the engine is likely slower than plain batched decoding (docs/architectures.md)",

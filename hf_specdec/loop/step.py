@@ -158,6 +158,7 @@ def speculative_step(
         model, cache, rows.tolist() + chunk_rows.tolist(), segment_lens.tolist() + chunk_lens.tolist(), input_ids,
         position_ids, keep, tree_mask=tree_mask,
     ).float()  # fmt: skip
+    _pack_features(features, cache)
     _fed_chunks(state, features, chunk_rows, chunk_lens, first=int(segment_lens.sum()))
     metrics.record_kv_usage(cache.num_blocks_used, cache.blocks_needed(state.num_cached[rows] + num_pending))
     metrics.verify_seconds += timer.lap("verify")
@@ -258,7 +259,14 @@ def _feed_chunks_alone(
     positions, _ = _verify_positions(state, _NO_ROWS, _NO_ROWS, _NO_ROWS, None, rows, lens)
     input_ids, position_ids = to_device([np.concatenate(_chunk_tokens(state, rows, lens)), positions], model.device)
     forward_tokens(model, cache, rows.tolist(), lens.tolist(), input_ids, position_ids, _NO_ROWS)
+    _pack_features(features, cache)
     _fed_chunks(state, features, rows, lens, first=0)
+
+
+def _pack_features(features: TargetFeatureCapture | None, cache: PagedKVCache) -> None:
+    """A forward that laid its rows out side by side (a batch on the model's own cache) captured them so."""
+    if features is not None and cache.batch_layout is not None:
+        features.pack(cache.batch_layout.slots, cache.batch_layout.columns)
 
 
 def _fed_chunks(

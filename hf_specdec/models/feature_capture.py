@@ -197,6 +197,14 @@ class TargetFeatureCapture:
         forward(s) that follow are the ones `features` / `keep` read."""
         self._captured.clear()
 
+    def pack(self, slots: np.ndarray, columns: np.ndarray) -> None:
+        """The forward since `begin_forward` laid its tokens out `[rows, width]` (a batch on the model's own cache):
+        its captures laid out packed, token i from row `slots[i]`, column `columns[i]`."""
+        for index in self._captured:
+            hidden = self._hidden(index)
+            rows, cols = to_device([slots, columns], hidden.device)
+            self._captured[index] = [hidden[rows, cols][None]]
+
     def _hidden(self, index: int) -> torch.Tensor:
         pieces = self._captured.get(index)
         if not pieces:
