@@ -25,6 +25,7 @@ import time
 import torch
 
 import hf_specdec
+from hf_specdec.cache.architectures import check_architecture
 from hf_specdec.cache.own_attention import mark_own_attention
 from hf_specdec.models.cpu_linear import _cpu_name, fast_cpu_linears
 from hf_specdec.models.real_models import humaneval_prompts, load_smollm2, mtbench_prompts
@@ -62,12 +63,13 @@ def main() -> None:
     torch.set_num_threads(2)
     paged, tokenizer = load_smollm2()
     batched, per_row = load_smollm2()[0], load_smollm2()[0]
+    for model in (paged, batched, per_row):
+        check_architecture(model)  # the verdict first: it runs once per model, and would mark the model anew
+        hf_specdec.enable(model)
     # as check_architecture marks a model the paged attention cannot run (its layers all plain DynamicLayers,
     # or, as where sliding or recurrent layers hold the rows' caches, one row per forward)
     mark_own_attention(batched, batched=True)
     mark_own_attention(per_row)
-    for model in (paged, batched, per_row):
-        hf_specdec.enable(model)
     results = []
     for prompts_name, prompts in (("mt-bench", mtbench_prompts(tokenizer)), ("humaneval", humaneval_prompts(tokenizer))):
         for batch_size in args.batch_sizes:
