@@ -14,9 +14,12 @@ then runs a probe: two small packed forwards on a scratch `PagedKVCache`, which 
 - in float32, give the same logits as the model's own forward over the same tokens, so a mask or
   position rule the paged path does not know shows up as a refusal, not as wrong tokens.
 
-A model whose padded rows plain `generate()` itself reads differently from the rows alone (positions
-counted from the cache, GIT's mask) is supported for unpadded batches only: `padded_batch_problem`
-gives the reason, and `generate()` refuses a left-padded batch with it.
+Where the paged probe fails for a reason the model's own code would not, the same probe runs on the
+model's own attention and cache (`own_attention.py`), one row per forward, then, for a model whose
+cache layers are all plain, batched; a model that passes runs that way. A model whose padded rows
+plain `generate()` itself reads differently from the rows alone (positions counted from the cache,
+GIT's mask) is supported for unpadded batches only: `padded_batch_problem` gives the reason, and
+`generate()` refuses a left-padded batch with it.
 
 The verdict is kept per model object, so the probe runs once.
 """
