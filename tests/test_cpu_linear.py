@@ -188,6 +188,27 @@ def test_numba_row_does_not_depend_on_the_other_rows():
     assert torch.equal(alone, together)
 
 
+def test_auto_linears_compute_only_the_token_positions_of_a_padded_forward():
+    """Inside `tokens_at` (a `[rows, width]` forward on the model's own cache) the planned linears compute the
+    token positions only, as the whole input would give them, padding as zeros; inputs of another shape, or
+    with rows == width (a `[width, rows]` layout could not be told apart), are computed whole."""
+    from hf_specdec.token_rows import tokens_at
+
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(3, 5, 64)
+    tokens = torch.tensor([0, 1, 5, 10, 11, 12])  # row 0: 2 tokens, row 1: 1, row 2: 3
+    with torch.no_grad(), fast_cpu_linears(layer, backend="auto"):
+        whole = layer(x)
+        with tokens_at((3, 5), tokens):
+            padded = layer(x).reshape(15, 32)
+            other = layer(x[:, :4])
+        with tokens_at((5, 5), tokens):
+            square = layer(torch.randn(5, 5, 64))
+    assert torch.allclose(padded[tokens], whole.reshape(15, 32)[tokens], atol=1e-5)
+    assert padded[[i for i in range(15) if i not in tokens.tolist()]].eq(0).all()
+    assert other.ne(0).all() and square.ne(0).all()
+
+
 def test_numba_linear_propagates_nan_and_inf():
     layer = torch.nn.Linear(16, 8)
     x = torch.randn(3, 16)

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 
 from ..profiling import timed_forward
 from ..tensor_parallel import check_ranks_agree, tensor_parallel_group
+from ..token_rows import tokens_at
 from ..transfer import to_device
 from .paged_cache import PagedKVCache
 
@@ -98,7 +99,8 @@ def _batched_forward(
     needed, picked = np.unique(layout.columns[kept], return_inverse=True)
     logits_to_keep, rows, picked = to_device([needed, layout.slots[kept], picked], input_ids.device)
     inputs = {"input_ids": layout.scatter(input_ids), "position_ids": layout.scatter(position_ids), **cache.model_inputs()}
-    with timed_forward(input_ids.device):
+    (tokens,) = to_device([layout.slots * layout.width + layout.columns], input_ids.device)
+    with timed_forward(input_ids.device), tokens_at((layout.batch_size, layout.width), tokens.sort().values):
         if selects:
             logits = model(**inputs, use_cache=True, logits_to_keep=logits_to_keep).logits
         else:

@@ -69,6 +69,7 @@ import torch
 
 from ..config import CPU_LINEAR_BACKENDS
 from ..tensor_parallel import tensor_parallel_group
+from ..token_rows import token_positions
 
 # the numba kernel's limit: up to here it beat oneDNN on SmolLM2's shapes on the EPYC (lm_head at
 # 8 rows: 9.5 vs 13.2 ms; whole forwards of 9 / 12 / 16 tokens: 83 / 103 / 131 ms against 103 / 116 / 120)
@@ -776,7 +777,14 @@ def _numba_threads_like_torch() -> Iterator[None]:
 
 def _planned_forward(self: torch.nn.Linear, routes: tuple, x: torch.Tensor) -> torch.Tensor:
     """`routes[rows]`: the plan's forward for that many rows (`_route_table`); torch's past its end.
-    Runs for every linear of every forward, so it checks as little as it can (a few µs matter here)."""
+    Runs for every linear of every forward, so it checks as little as it can (a few µs matter here).
+    In a forward padded between its tokens (`token_rows.py`), only the token positions are computed."""
+    positions = token_positions(x)
+    if positions is not None:
+        flat = x.reshape(-1, self.in_features)
+        out = flat.new_zeros(flat.shape[0], self.out_features)
+        out.index_copy_(0, positions, _planned_forward(self, routes, flat.index_select(0, positions)))
+        return out.view(*x.shape[:-1], self.out_features)
     rows = x.numel() // self.in_features
     if rows < len(routes) and x.dtype is torch.float32 and x.is_cpu and not torch.is_grad_enabled():
         return routes[rows](self, x)
