@@ -164,7 +164,7 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
         warnings.warn(
             f"this {type(model).__name__} runs on its own attention and cache, one forward per row: at batch size "
             f"{input_ids.shape[0]} speculative decoding is likely slower than plain generate() (SmolLM2 made to run "
-            "so: 0.40-0.52x plain at batch 8, 1.5-1.65x at batch 1; docs/architectures.md)",
+            "so: 0.39-0.53x plain at batch 8, 1.5-1.6x at batch 1; docs/architectures.md)",
             stacklevel=4,
         )
 
