@@ -21,7 +21,7 @@ _TOKEN_POSITIONS: ContextVar[tuple[tuple[int, int], torch.Tensor] | None] = Cont
 
 @contextlib.contextmanager
 def tokens_at(shape: tuple[int, int], positions: torch.Tensor) -> Iterator[None]:
-    """Inside the block the forward's `[rows, width]` inputs hold tokens at `positions` (flat, sorted) only."""
+    """Inside the block the forward's `[rows, width]` inputs hold tokens at `positions` (flat) only."""
     token = _TOKEN_POSITIONS.set((shape, positions))
     try:
         yield

@@ -99,8 +99,7 @@ def _batched_forward(
     needed, picked = np.unique(layout.columns[kept], return_inverse=True)
     logits_to_keep, rows, picked = to_device([needed, layout.slots[kept], picked], input_ids.device)
     inputs = {"input_ids": layout.scatter(input_ids), "position_ids": layout.scatter(position_ids), **cache.model_inputs()}
-    (tokens,) = to_device([layout.slots * layout.width + layout.columns], input_ids.device)
-    with timed_forward(input_ids.device), tokens_at((layout.batch_size, layout.width), tokens.sort().values):
+    with timed_forward(input_ids.device), tokens_at((layout.batch_size, layout.width), layout.positions):
         if selects:
             logits = model(**inputs, use_cache=True, logits_to_keep=logits_to_keep).logits
         else:

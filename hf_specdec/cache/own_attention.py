@@ -192,19 +192,20 @@ class RowOwnAttentionCache(OwnAttentionCache):
 @dataclasses.dataclass
 class BatchLayout:
     """Where a forward's packed tokens sit in the batched `[batch_size, width]` input: token i at
-    (`slots[i]`, `columns[i]`); each row's new tokens from column 0, the rest padding."""
+    (`slots[i]`, `columns[i]`), flat `positions[i]` (on the device); each row's new tokens from column 0,
+    the rest padding."""
 
     slots: np.ndarray
     columns: np.ndarray
     batch_size: int
     width: int
+    positions: torch.Tensor
 
     def scatter(self, packed: torch.Tensor) -> torch.Tensor:
         """`packed` `[num_tokens]` laid out `[batch_size, width]`, padding 0 (masked out: no real query sees it)."""
-        slots, columns = to_device([self.slots, self.columns], packed.device)
-        batched = packed.new_zeros((self.batch_size, self.width))
-        batched[slots, columns] = packed
-        return batched
+        batched = packed.new_zeros(self.batch_size * self.width)
+        batched[self.positions] = packed
+        return batched.view(self.batch_size, self.width)
 
 
 class BatchedOwnAttentionCache(OwnAttentionCache):
@@ -221,9 +222,9 @@ class BatchedOwnAttentionCache(OwnAttentionCache):
         num_layers = len(self.batch_cache.layers)
         self.slots: list[int | None] = []  # the row in each batch slot (None: free)
         self._slot_of: dict[int, int] = {}
-        # per layer: the keys each slot holds, the column after its last one, and the layer's width
-        self._held = [np.zeros(0, dtype=np.int64) for _ in range(num_layers)]
-        self._ends = [np.zeros(0, dtype=np.int64) for _ in range(num_layers)]
+        # [layer, slot]: the keys each slot holds in each layer, the column after its last one; each layer's width
+        self._held = np.zeros((num_layers, 0), dtype=np.int64)
+        self._ends = np.zeros((num_layers, 0), dtype=np.int64)
         self._widths = [0] * num_layers
         self._last_forward: tuple[np.ndarray, np.ndarray, int] | None = None  # (held, tokens each slot got, chunk)
         self._mask: torch.Tensor | None = None
@@ -237,8 +238,9 @@ class BatchedOwnAttentionCache(OwnAttentionCache):
         self._assign_slots(rows)
         held = np.array([0 if row is None else self.seq_lens.get(row, 0) for row in self.slots], dtype=np.int64)
         width = int(held.max(initial=0))
+        sources: dict = {}  # layers laid out alike (all of them, but for layer_skip's drafts) share one gather index
         for index, layer in enumerate(self.batch_cache.layers):
-            self._realign(index, layer, held, width)
+            self._realign(index, layer, held, width, sources)
 
         counts = np.asarray(num_new_tokens, dtype=np.int64)
         chunk = int(counts.max())
@@ -249,11 +251,9 @@ class BatchedOwnAttentionCache(OwnAttentionCache):
         mask[:, :width] = np.arange(width)[None, :] >= (width - held)[:, None]
         mask[:, width:] = np.arange(chunk)[None, :] < got[:, None]
         mask[(got == 0) & (held == 0), width:] = 1  # an empty slot's padding attends to itself, not to nothing (NaN)
-        self._mask = to_device([mask], self.device)[0]
-        self.batch_layout = BatchLayout(
-            slots=np.repeat(row_slots, counts), columns=np.concatenate([np.arange(n) for n in counts]),
-            batch_size=len(self.slots), width=chunk,
-        )  # fmt: skip
+        slots, columns = np.repeat(row_slots, counts), np.concatenate([np.arange(n) for n in counts])
+        self._mask, positions = to_device([mask, slots * chunk + columns], self.device)
+        self.batch_layout = BatchLayout(slots, columns, batch_size=len(self.slots), width=chunk, positions=positions)
         self._last_forward = (held, got, chunk)
         return super().prepare_forward(rows, num_new_tokens)
 
@@ -266,10 +266,9 @@ class BatchedOwnAttentionCache(OwnAttentionCache):
                 self.slots[free], self._slot_of[row] = row, free
         while self.slots and self.slots[-1] is None:  # the batch shrinks from its end
             self.slots.pop()
-        size = len(self.slots)
-        for index in range(len(self._held)):
-            self._held[index] = np.pad(self._held[index], (0, max(size - len(self._held[index]), 0)))[:size]
-            self._ends[index] = np.pad(self._ends[index], (0, max(size - len(self._ends[index]), 0)))[:size]
+        grow = max(len(self.slots) - self._held.shape[1], 0)
+        self._held = np.pad(self._held, ((0, 0), (0, grow)))[:, : len(self.slots)]
+        self._ends = np.pad(self._ends, ((0, 0), (0, grow)))[:, : len(self.slots)]
 
     def _account_last_forward(self) -> None:
         """Each layer the last forward ran holds its rows' new tokens (padding after them)."""
@@ -289,25 +288,29 @@ class BatchedOwnAttentionCache(OwnAttentionCache):
             self._ends[index] = np.where(fed, self._widths[index] + got, self._ends[index])
             self._widths[index] = width
 
-    def _realign(self, index: int, layer, held: np.ndarray, width: int) -> None:
+    def _realign(self, index: int, layer, held: np.ndarray, width: int, sources: dict) -> None:
         """Layer `index` laid out for the next forward: each slot's first min(its keys, `held`) keys from
-        column `width - held` on; one gather over the batch, or a crop where no slot moves."""
+        column `width - held` on; one gather over the batch, or a crop where no slot moves. `sources`: the
+        gather indices built for earlier layers of this forward, by their layout."""
         kept = np.minimum(self._held[index], held)
         ends = self._ends[index] - (self._held[index] - kept)
         target_ends = width - held + kept
         old_width = self._widths[index]
         old_batch = int(layer.keys.shape[0]) if old_width else 0
         if old_width == 0:  # never run yet (layer_skip's first drafts): it gets every row's tokens at the verify
-            self._held[index], self._ends[index] = np.zeros_like(kept), np.zeros_like(kept)
+            self._held[index], self._ends[index] = 0, 0
             return
         self._held[index], self._ends[index], self._widths[index] = kept, target_ends, width
         if old_batch == len(self.slots) and width <= old_width and np.array_equal(ends, target_ends):
             if width < old_width:
                 layer.crop(width - old_width)
             return
-        columns = np.arange(width)[None, :]
-        source = np.clip(ends[:, None] - target_ends[:, None] + columns, 0, old_width - 1)  # left padding: anything
-        slots, source = to_device([np.minimum(np.arange(len(self.slots)), old_batch - 1), source], layer.keys.device)
+        key = (layer.keys.device, old_batch, old_width, (ends - target_ends).tobytes())
+        if key not in sources:
+            columns = np.arange(width)[None, :]
+            source = np.clip(ends[:, None] - target_ends[:, None] + columns, 0, old_width - 1)  # left padding: anything
+            sources[key] = to_device([np.minimum(np.arange(len(self.slots)), old_batch - 1), source], layer.keys.device)
+        slots, source = sources[key]
         for name in ("keys", "values"):
             states = getattr(layer, name).index_select(0, slots)
             index_ = source[:, None, :, None].expand(len(self.slots), states.shape[1], width, states.shape[3])
@@ -325,5 +328,4 @@ class BatchedOwnAttentionCache(OwnAttentionCache):
         slot = self._slot_of.pop(row, None)
         if slot is not None:
             self.slots[slot] = None
-            for held in self._held:
-                held[slot] = 0
+            self._held[:, slot] = 0
