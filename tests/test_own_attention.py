@@ -170,3 +170,15 @@ def test_a_model_whose_plain_generate_misreads_padding_takes_rows_of_one_length(
     finished = {o.request_id: o.token_ids for o in outputs if o.finished}
     assert finished == {first: expected[0], second: expected[1]} and engine.num_kv_blocks_used == 0
     assert engine.metrics.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize(("model_type", "padded_problem"), [("git", True), ("whisper", True), ("bloom", False)])
+def test_left_padding_is_checked_in_half_precision_too(model_type, padded_problem):
+    """How plain generate() reads left padding is a matter of the model's code, not its precision: in bfloat16
+    the check runs on float32 copies of the weights and finds what it finds in float32 (GIT and Whisper's decoder
+    refuse left-padded batches, BLOOM takes them), then puts the bfloat16 weights back untouched."""
+    model = families.build_tiny_model(model_type).to(torch.bfloat16)
+    weights = model.state_dict()
+    assert bool(padded_batch_problem(model)) == padded_problem
+    after = model.state_dict()
+    assert all(after[name].dtype == torch.bfloat16 and after[name].data_ptr() == weights[name].data_ptr() for name in weights)

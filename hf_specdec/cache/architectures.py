@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -70,11 +71,25 @@ def check_architecture(model: PreTrainedModel, role: str = "target") -> None:
         raise UnsupportedModelError(f"{role} model: {verdict}")
 
 
-def padded_batch_problem(model: PreTrainedModel) -> str:
+def padded_batch_problem(model: PreTrainedModel, length: int | None = None) -> str:
     """Why plain generate() gives a left-padded row of `model` other tokens than the row alone ('' when it
-    does not). The loop runs every row unpadded, so on such a model only unpadded batches can be exact."""
+    does not), for rows that grow to `length` tokens, padding included (None: any length). The loop runs
+    every row unpadded, so on such a model only unpadded batches can be exact."""
     check_architecture(model)
-    return _PADDED_BATCH_PROBLEMS.get(model, "")
+    return _PADDED_BATCH_PROBLEMS.get(model, "") or _indexer_padding_problem(model, length)
+
+
+def _indexer_padding_problem(model: PreTrainedModel, length: int | None) -> str:
+    """Sparse indexed attention (DeepSeek-V3.2's DSA) attends to the `index_topk` keys its indexer scores
+    highest. Within that many tokens every key is kept and a padded row reads as the row alone; past it,
+    plain generate()'s indexer ranks a padded row's keys otherwise (Mistral Large 4 in the family matrix)."""
+    topk = getattr(model.config.get_text_config(), "index_topk", None)
+    if topk is None or (length is not None and length <= topk):
+        return ""
+    return (
+        f"its sparse attention keeps each query's top index_topk={topk} keys, and past {topk} tokens (prompt width "
+        "plus max_new_tokens) plain generate() gives a left-padded row other tokens than the row alone"
+    )
 
 
 def _verdict(model: PreTrainedModel) -> str:
@@ -216,13 +231,13 @@ def _left_padding_problem(model: PreTrainedModel) -> str:
     """A model plain generate() hands no position_ids counts positions itself. Where left padding shifts
     them (Whisper's decoder counts from the cache length), a padded row of plain generate()'s batch reads
     differently from the row alone, which the loop gives."""
-    if generate_passes_position_ids(model) or next(model.parameters()).dtype != torch.float32:
+    if generate_passes_position_ids(model):
         return ""
     tokens = _probe_rows(model)[1]
     pad = int(model.generation_config.pad_token_id or 0)
     padded = torch.cat([torch.full((2,), pad, dtype=tokens.dtype), tokens])[None].to(model.device)
     mask = torch.cat([torch.zeros(2, dtype=torch.long), torch.ones(len(tokens), dtype=torch.long)])[None].to(model.device)
-    with _probing(model):
+    with _probing(model), _in_float32(model):
         own = _own_forward_logits(model, tokens)
         logits = model(input_ids=padded, attention_mask=mask, use_cache=False).logits[0, 2:].float().cpu()
     error = float((logits - own).abs().max())
@@ -245,6 +260,42 @@ def _probing(model: PreTrainedModel) -> Iterator[None]:
             yield
     finally:
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def _in_float32(model: PreTrainedModel) -> Iterator[None]:
+    """The model's bfloat16 / float16 weights and buffers as float32 copies for a probe, the originals put back
+    after. Whether plain generate() reads a padded row as the row alone is a matter of the model's code, not its
+    precision, but half precision's rounding would hide a difference inside the probe's tolerance (or make one).
+    Raises `UnsupportedModelError` where the copies would not fit in the free memory of their device."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.dtype in (torch.bfloat16, torch.float16)]
+    needed: dict[torch.device, int] = {}
+    for tensor in tensors:
+        needed[tensor.device] = needed.get(tensor.device, 0) + tensor.numel() * 4
+    for device, size in needed.items():
+        free = _free_memory(device)
+        if size > 0.8 * free:
+            raise UnsupportedModelError(
+                f"left-padded batches could not be checked: it checks {model.dtype} weights as float32 copies, "
+                f"which need {size / 2**30:.1f} GiB of the {free / 2**30:.1f} GiB free on {device}"
+            )
+    originals = [t.data for t in tensors]
+    try:
+        for tensor in tensors:
+            tensor.data = tensor.data.float()
+        yield
+    finally:
+        for tensor, original in zip(tensors, originals):
+            tensor.data = original
+
+
+def _free_memory(device: torch.device) -> int:
+    """Bytes free on `device` (0 where it cannot be told: a meta or offloaded weight)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return 0
 
 
 def _forward_parameters(model: PreTrainedModel) -> set[str]:
@@ -401,8 +452,6 @@ def _padded_generate_problem(model: PreTrainedModel, steps: int = 3) -> str:
     (`steps` decoding steps over the same tokens; float32), as the loop does: one row per forward, no
     padding in it. Some models read the padding while decoding from their cache (GIT) though a padded
     forward without one does not."""
-    if next(model.parameters()).dtype != torch.float32:
-        return ""
     rows = _probe_rows(model)
     pad = int(model.generation_config.pad_token_id or 0)
     width = max(len(r) for r in rows)
@@ -413,7 +462,7 @@ def _padded_generate_problem(model: PreTrainedModel, steps: int = 3) -> str:
     )  # fmt: skip
     ids = torch.stack([torch.cat([torch.full((width - len(r),), pad, dtype=r.dtype), r]) for r in rows]).to(model.device)
     mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r) for r in rows])[:, None]).long().to(model.device)
-    with _probing(model):
+    with _probing(model), _in_float32(model):
         batch = model.generate(input_ids=ids, attention_mask=mask, logits_processor=[_FeedTokens(fed)], **options).logits
         batch = torch.stack(batch, dim=1).float().cpu()
         for index, row in enumerate(rows):

@@ -58,14 +58,15 @@ def generate(
     generation_config = generation_config or model.generation_config
     logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
     stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
-    _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus)
+    stop_checker = StopChecker(stopping_criteria)
+    max_length = stop_checker.max_length or generation_config.max_length
+    _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, max_length)
     streamer = speculative_streamer or streamer
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("streamer is supported at batch size 1 only (as transformers' streamers)")
 
     logits_processor = with_speculative_grammars(logits_processor, input_ids.shape[0], input_ids.shape[1])
-    stop_checker = StopChecker(stopping_criteria)
-    state = _initial_state(input_ids, model_kwargs.get("attention_mask"), generation_config, stop_checker)
+    state = _initial_state(input_ids, model_kwargs.get("attention_mask"), generation_config, max_length)
     sampling = _sampling_state(generation_config, config, input_ids.shape[0], model.device)
     max_new_tokens = int(state.max_lengths.max()) - input_ids.shape[1]
     prompt_lens = state.seq_lens - state.pad_lens
@@ -131,7 +132,7 @@ def _prefill_inputs(model_kwargs: dict) -> dict:
     }
 
 
-def _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus) -> None:
+def _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, max_length) -> None:
     if generation_config.num_beams != 1:
         raise ValueError(f"num_beams={generation_config.num_beams} is not supported with speculative decoding; allowed: 1")
     for option in ASSISTED_OPTIONS:
@@ -153,7 +154,7 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
     check_architecture(model)  # last: it may run a small probe forward, once per model
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is not None and not bool(attention_mask.all()):
-        problem = padded_batch_problem(model)
+        problem = padded_batch_problem(model, max_length)
         if problem:
             raise ValueError(
                 f"attention_mask: this {type(model).__name__} cannot take a left-padded batch exactly: {problem}. The "
@@ -169,7 +170,7 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
         )
 
 
-def _initial_state(input_ids, attention_mask, generation_config, stop_checker: StopChecker) -> DecodeState:
+def _initial_state(input_ids, attention_mask, generation_config, max_length: int) -> DecodeState:
     batch, prompt_width = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -183,7 +184,6 @@ def _initial_state(input_ids, attention_mask, generation_config, stop_checker: S
         )
     if (prompt_lens == 0).any():
         raise ValueError("every row of input_ids needs at least one token that is not padding")
-    max_length = stop_checker.max_length or generation_config.max_length
     pad = generation_config._pad_token_tensor
     pad_token_id = int(pad.flatten()[0]) if pad is not None else (generation_config.pad_token_id or 0)
     token_buffer = torch.full((batch, max(max_length, prompt_width + 1)), pad_token_id, dtype=torch.long)
