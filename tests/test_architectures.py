@@ -208,6 +208,43 @@ def test_unknown_attention_keyword_sends_the_model_to_its_own_attention(monkeypa
     assert runs_own_attention(model)
 
 
+def _verdict(model) -> str:
+    from hf_specdec.cache.architectures import padded_batch_problem
+
+    try:
+        check_architecture(model)
+    except UnsupportedModelError as error:
+        return f"refused: {str(error).split(': ', 2)[-1][:40]}"
+    return ("own attention" if runs_own_attention(model) else "paged") + (", no padded batches" if padded_batch_problem(model) else "")
+
+
+@pytest.mark.parametrize("model_type", ["bart", "diffllama", "kosmos-2.5", "cpmant", "zamba", "llama"])
+def test_half_precision_gets_the_float32_verdict(model_type):
+    """The probes decide by the model's code, not its precision: a bfloat16 model is probed on float32 copies of
+    its weights, then has its own back. Before, rounding hid what the logits checks find in float32: bfloat16
+    BART's decoder, DiffLlama and Kosmos-2.5 went to the paged path (wrong positions / masks), CPM-Ant and Zamba
+    were accepted."""
+    import families
+
+    expected = _verdict(families.build_tiny_model(model_type))
+    model = families.build_tiny_model(model_type).to(torch.bfloat16)
+    weights = model.state_dict()
+    assert _verdict(model) == expected
+    after = model.state_dict()
+    assert all(after[name].dtype == torch.bfloat16 and after[name].data_ptr() == weights[name].data_ptr() for name in weights)
+
+
+def test_half_precision_model_too_large_to_check_is_refused(monkeypatch):
+    """Where the float32 copies fit neither beside the weights nor in CPU memory, the model is refused saying so
+    (not run unchecked)."""
+    from hf_specdec.cache import architectures
+
+    monkeypatch.setattr(architectures, "_free_memory", lambda device: 1024)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, num_hidden_layers=2)).eval().to(torch.bfloat16)
+    with pytest.raises(UnsupportedModelError, match=r"could not be checked: the probes run torch.bfloat16 weights as float32"):
+        check_architecture(model)
+
+
 def test_attention_the_paged_path_would_get_wrong_is_refused(monkeypatch):
     """A model whose attention output depends on something besides the cache (here: an extra mask the
     model's own attention function applies) fails the probe's logits comparison."""

@@ -21,7 +21,8 @@ plain `generate()` itself reads differently from the rows alone (positions count
 GIT's mask) is supported for unpadded batches only: `padded_batch_problem` gives the reason, and
 `generate()` refuses a left-padded batch with it.
 
-The verdict is kept per model object, so the probe runs once.
+A bfloat16 / float16 model is probed on float32 copies of its weights (`_float32_copies`): the logits checks
+compare to a tolerance its rounding would exceed. The verdict is kept per model object, so the probe runs once.
 """
 
 from __future__ import annotations
@@ -103,21 +104,28 @@ def _verdict(model: PreTrainedModel) -> str:
         problem = str(error)
     if not problem:
         try:
-            problem = _checked(_probe, model, "its forward does not run on the paged KV cache")
-        except _NoFallback as error:
+            copies = _float32_copies(model)
+        except UnsupportedModelError as error:
             problem = str(error)
-        else:
-            if problem:
-                own_problem = _checked(_own_attention_problem, model, "its forward does not run on its own cache")
-                if not own_problem:
-                    padded = _PADDED_BATCH_PROBLEMS[model] = _checked(_padded_generate_problem, model, "plain generate() fails")
-                    # one forward for the batch where plain generate()'s left-padded batch is what the rows alone give
-                    batched = not padded and batches_plainly(model) and not _checked(_batched_problem, model, "batched")
-                    mark_own_attention(model, batched=batched)
-                    return ""
-                problem = f"{problem}; on its own attention and cache: {own_problem}"
+    if not problem:
+        # the probes' logits checks run in float32, whatever the model's precision; no other thread runs it meanwhile
+        with held_by_this_thread(model), _in_float32(copies):
+            try:
+                problem = _checked(_probe, model, "its forward does not run on the paged KV cache")
+            except _NoFallback as error:
+                problem = str(error)
             else:
-                _PADDED_BATCH_PROBLEMS[model] = _checked(_left_padding_problem, model, "a left-padded forward fails")
+                if problem:
+                    own_problem = _checked(_own_attention_problem, model, "its forward does not run on its own cache")
+                    if not own_problem:
+                        padded = _PADDED_BATCH_PROBLEMS[model] = _checked(_padded_generate_problem, model, "plain generate() fails")
+                        # one forward for the batch where plain generate()'s left-padded batch is what the rows alone give
+                        batched = not padded and batches_plainly(model) and not _checked(_batched_problem, model, "batched")
+                        mark_own_attention(model, batched=batched)
+                        return ""
+                    problem = f"{problem}; on its own attention and cache: {own_problem}"
+                else:
+                    _PADDED_BATCH_PROBLEMS[model] = _checked(_left_padding_problem, model, "a left-padded forward fails")
     if not problem:
         return ""
     return problem if problem.startswith("model_type=") else f"model_type={model_type!r} is not supported: {problem}"
@@ -237,7 +245,7 @@ def _left_padding_problem(model: PreTrainedModel) -> str:
     pad = int(model.generation_config.pad_token_id or 0)
     padded = torch.cat([torch.full((2,), pad, dtype=tokens.dtype), tokens])[None].to(model.device)
     mask = torch.cat([torch.zeros(2, dtype=torch.long), torch.ones(len(tokens), dtype=torch.long)])[None].to(model.device)
-    with _probing(model), _in_float32(model):
+    with _probing(model):
         own = _own_forward_logits(model, tokens)
         logits = model(input_ids=padded, attention_mask=mask, use_cache=False).logits[0, 2:].float().cpu()
     error = float((logits - own).abs().max())
@@ -262,30 +270,51 @@ def _probing(model: PreTrainedModel) -> Iterator[None]:
         model.train(was_training)
 
 
-@contextlib.contextmanager
-def _in_float32(model: PreTrainedModel) -> Iterator[None]:
-    """The model's bfloat16 / float16 weights and buffers as float32 copies for a probe, the originals put back
-    after. Whether plain generate() reads a padded row as the row alone is a matter of the model's code, not its
-    precision, but half precision's rounding would hide a difference inside the probe's tolerance (or make one).
-    Raises `UnsupportedModelError` where the copies would not fit in the free memory of their device."""
-    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.dtype in (torch.bfloat16, torch.float16)]
+def _float32_copies(model: PreTrainedModel) -> dict[torch.Tensor, torch.Tensor]:
+    """For a bfloat16 / float16 model: each of its parameters and buffers -> the float32 (or, for integer
+    buffers, same) tensor the probes run it on; {} for a float32 model, or one holding quantized weights (its
+    logits are not compared, as before). The probes decide by the model's code, not its precision, but half
+    precision's rounding would hide a wrong mask or position inside their tolerance (bfloat16 BART, Zamba,
+    DiffLlama passed before). The copies go on each tensor's own device where they fit in 80% of its free
+    memory, else, for a model on one device, on the CPU; raises `UnsupportedModelError` where neither."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(not t.is_floating_point() or t.element_size() == 1 for t in model.parameters()):
+        return {}
+    half = [t for t in tensors if t.dtype in (torch.bfloat16, torch.float16)]
+    if not half:
+        return {}
     needed: dict[torch.device, int] = {}
-    for tensor in tensors:
+    for tensor in half:
         needed[tensor.device] = needed.get(tensor.device, 0) + tensor.numel() * 4
-    for device, size in needed.items():
-        free = _free_memory(device)
-        if size > 0.8 * free:
+    target = None
+    if any(size > 0.8 * _free_memory(device) for device, size in needed.items()):
+        everything = sum(t.numel() * 4 if t.is_floating_point() else t.numel() * t.element_size() for t in tensors)
+        on_cpu = _free_memory(torch.device("cpu"))
+        if len(needed) > 1 or everything > 0.8 * on_cpu:
+            where = ", ".join(f"{size / 2**30:.1f} GiB on {device} ({_free_memory(device) / 2**30:.1f} free)" for device, size in needed.items())
             raise UnsupportedModelError(
-                f"left-padded batches could not be checked: it checks {model.dtype} weights as float32 copies, "
-                f"which need {size / 2**30:.1f} GiB of the {free / 2**30:.1f} GiB free on {device}"
+                f"it could not be checked: the probes run {model.dtype} weights as float32 copies, which need {where}, "
+                f"or {everything / 2**30:.1f} GiB of CPU memory ({on_cpu / 2**30:.1f} free); free memory, or load it in "
+                "float32 once to see whether it is supported"
             )
-    originals = [t.data for t in tensors]
+        target = torch.device("cpu")
+    return {
+        t: t.data.to(device=target or t.device, dtype=torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype)
+        for t in tensors
+        if t.dtype in (torch.bfloat16, torch.float16) or (target is not None and t.device != target)
+    }
+
+
+@contextlib.contextmanager
+def _in_float32(copies: dict[torch.Tensor, torch.Tensor]) -> Iterator[None]:
+    """Each tensor of `copies` swapped for its float32 copy (`_float32_copies`), the originals put back after."""
+    originals = {tensor: tensor.data for tensor in copies}
     try:
-        for tensor in tensors:
-            tensor.data = tensor.data.float()
+        for tensor, copy in copies.items():
+            tensor.data = copy
         yield
     finally:
-        for tensor, original in zip(tensors, originals):
+        for tensor, original in originals.items():
             tensor.data = original
 
 
@@ -462,7 +491,7 @@ def _padded_generate_problem(model: PreTrainedModel, steps: int = 3) -> str:
     )  # fmt: skip
     ids = torch.stack([torch.cat([torch.full((width - len(r),), pad, dtype=r.dtype), r]) for r in rows]).to(model.device)
     mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r) for r in rows])[:, None]).long().to(model.device)
-    with _probing(model), _in_float32(model):
+    with _probing(model):
         batch = model.generate(input_ids=ids, attention_mask=mask, logits_processor=[_FeedTokens(fed)], **options).logits
         batch = torch.stack(batch, dim=1).float().cpu()
         for index, row in enumerate(rows):
