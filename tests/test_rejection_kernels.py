@@ -35,7 +35,9 @@ from hf_specdec.sampling.metadata import SpecDecodeMetadata
 from hf_specdec.sampling.rejection_sampler import (
     BACKEND_ENV_VAR,
     RandomDraws,
+    greedy_accept_on_host,
     rejection_backend,
+    rejection_sample,
     rejection_sample_reference,
 )
 
@@ -316,6 +318,22 @@ def test_kernels_reject_bad_input(kernels):
     metadata = SpecDecodeMetadata.from_drafts([np.arange(3)])
     with pytest.raises(ValueError, match="random draws"):
         kernels.rejection_sample_triton(metadata, torch.randn(4, 40), torch.zeros(1, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_rows_on_the_host_match_the_reference(seed):
+    """Every row greedy on CPU logits: `rejection_sample` takes the NumPy path, which must give the
+    reference's tokens and counts (rows without drafts, rejections, fully accepted rows, tied maxima)."""
+    case = random_case(seed, num_rows=1 + seed % 8, vocab_size=(7, 1000, 49152)[seed % 3], row_kinds="greedy",
+                       with_draft_probs=False, max_drafts=6)  # fmt: skip
+    case["draws"] = None
+    expected = rejection_sample_reference(**case)
+    for got in (greedy_accept_on_host(case["metadata"], case["logits"]), rejection_sample(**case)):
+        assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
+    tied = SpecDecodeMetadata.from_drafts([np.array(d, dtype=np.int64) for d in ([4, 4, 2], [], [7])])
+    logits = torch.zeros(6, 10)
+    logits[:, [4, 7]] = 1.0  # the first of tied maxima (4) wins
+    assert torch.equal(greedy_accept_on_host(tied, logits)[0], rejection_sample_reference(tied, logits, torch.ones(3, dtype=torch.bool))[0])
 
 
 def test_backend_choice(monkeypatch):

@@ -186,7 +186,9 @@ def paged_attention_forward(
         queries = query[0].transpose(0, 1).index_select(0, meta.query_index)
         queries = queries.view(num_rows, max_query_len, -1, head_dim).transpose(1, 2)
 
-    mask = meta.attention_mask(mask_function)
+    # a plain causal mask is built from positions alone (and, for one query reading exactly its row's keys,
+    # not at all: SDPA runs faster without one); other functions are evaluated
+    mask = meta.attention_mask(None if structured_mask(mask_function) == (True, None) else mask_function)
     if indices is not None:
         mask = _with_indices(mask, indices, meta)
     if softcap is None and sink_logits is None:
