@@ -4,6 +4,7 @@ and `hf-specdec bench --profile` / `--temperature`."""
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import pytest
@@ -114,6 +115,22 @@ def test_prediction_is_the_seed_formula_for_a_full_chain():
     # with the forwards as measured (0.2 + 1.05 plain steps) and nothing else; the emit is the loop's own
     assert summary["forward_bound_speedup"] == pytest.approx(tau / 1.25, rel=1e-3)
     assert summary["loop_overhead"] == pytest.approx(0.05)
+
+
+def test_per_batch_comparison_sets_each_batch_against_its_own_acceptance():
+    """Batches that accept differently: the median of measured ratios comes from the middle batches, the pooled
+    tokens per row-step from all steps alike; per batch, each batch's ratio meets its own prediction."""
+    runs = ArmRuns(Arm("ours", {}, 4))
+    runs.metrics = SpecDecodeMetrics(num_drafts=300, num_draft_tokens=1200, num_accepted_tokens=150, num_row_steps=300)
+    runs.profile = StepProfile()
+    runs.profile.num_steps = 300
+    runs.profile.seconds.update(draft_forward=0.002 * 300, verify_forward=0.02 * 300)  # c k = 0.1
+    runs.tokens_per_row_step = [1.1, 1.2, 2.2]  # pooled: 1.5
+    batch_ratios = [1.1 / 1.1 * 0.9, 1.2 / 1.1 * 0.9, 2.2 / 1.1 * 0.9]  # each batch at 0.9 of its own prediction
+    summary = profile_summary(runs, 0.02, measured_ratio=statistics.median(batch_ratios), batch_ratios=batch_ratios)
+    assert summary["measured_over_predicted_per_batch"] == pytest.approx(0.9)
+    assert summary["measured_over_predicted"] == pytest.approx(1.2 / 1.1 * 0.9 / (1.5 / 1.1))  # 0.72: pooled
+    assert profile_summary(runs, 0.02, measured_ratio=1.0)["measured_over_predicted_per_batch"] is None
 
 
 def test_decode_rate_leaves_the_prefill_out_and_skips_batches_without_a_decode_phase():

@@ -60,6 +60,7 @@ class ArmRuns:
     longest_row: list[int] = field(default_factory=list)  # new tokens of the longest row
     batch_rows: list[int] = field(default_factory=list)  # rows of the batch
     forwards: list[int] = field(default_factory=list)  # target forwards of the full call
+    tokens_per_row_step: list[float] = field(default_factory=list)  # ours: 1 + drafts accepted per row-step, per call
     metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)  # ours: merged spec_metrics
     profile: StepProfile = field(default_factory=StepProfile)  # ours with --profile: decode steps by part
     rows: int = 0
@@ -161,6 +162,7 @@ def _run_arm(model, inputs, arm: Arm, settings: BenchSettings, tokenizer, runs: 
     if spec_metrics is not None:
         runs.metrics.merge(SpecDecodeMetrics.from_dict(spec_metrics))
         runs.forwards.append(spec_metrics["num_target_forwards"])
+        runs.tokens_per_row_step.append(1 + spec_metrics["num_accepted_tokens"] / max(spec_metrics["num_row_steps"], 1))
     else:  # transformers' plain generate: one forward per generated column
         runs.forwards.append(sequences.shape[1] - inputs["input_ids"].shape[1])
     return sequences
@@ -293,7 +295,7 @@ def summarize(
             summary["profile"] = (
                 profile_summary(
                     arm_runs, plain_step, summary.get("ratio_vs_plain_fast_linears", summary["ratio_vs_plain"]),
-                    summary["decode_ratio"],
+                    summary["decode_ratio"], [r / p for r, p in zip(rates, fast_rates or plain_rates)],
                 )
                 if arm_runs.arm.k is not None
                 else "not our loop: no breakdown (only ours' arms are profiled)"
