@@ -617,8 +617,8 @@ _TOPK_INDEXER = (
     "(left-padding) positions, which are then attended (with index_topk >= the sequence length padded rows "
     "match the unpadded prompt, up to fp32 near-ties)"
 )
-# families whose plain generate() mistreats left padding only there, where speculation packs rows
-# unpadded: the family matrix compares their rows with each prompt's own plain generate()
+# families whose plain generate() mistreats left padding past index_topk tokens: generate() refuses such
+# batches there (`padded_batch_problem`), and the family matrix checks that, then runs prompts of one length
 TOPK_INDEXER_FAMILIES = (
     "axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "mistral_large4"
 )

@@ -490,7 +490,7 @@ def test_sparse_indexed_attention_honours_the_indexers_selection(model_type, mon
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "mistral_large4"])
 def test_sparse_indexed_attention_takes_left_padded_batches_within_index_topk(model_type):
     """Past index_topk tokens plain generate() ranks a padded row's keys otherwise than the row alone's
-    (Mistral Large 4 in the family matrix), and the loop runs rows unpadded: a left-padded batch that may grow
+    (tiny Mistral Large 4, Hy-V4-VL), and the loop runs rows unpadded: a left-padded batch that may grow
     past 16 tokens is refused naming attention_mask; one within 16 runs, equal to plain generate()."""
     model = sparse_attention_model(model_type)
     prompts = long_prompts(2)

@@ -83,7 +83,7 @@ def padded_batch_problem(model: PreTrainedModel, length: int | None = None) -> s
 def _indexer_padding_problem(model: PreTrainedModel, length: int | None) -> str:
     """Sparse indexed attention (DeepSeek-V3.2's DSA) attends to the `index_topk` keys its indexer scores
     highest. Within that many tokens every key is kept and a padded row reads as the row alone; past it,
-    plain generate()'s indexer ranks a padded row's keys otherwise (Mistral Large 4 in the family matrix)."""
+    plain generate() can give a padded row other tokens (tiny Mistral Large 4 and Hy-V4-VL at 20-26 tokens, index_topk 16)."""
     topk = getattr(model.config.get_text_config(), "index_topk", None)
     if topk is None or (length is not None and length <= topk):
         return ""
