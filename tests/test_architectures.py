@@ -510,7 +510,7 @@ def test_model_prefill_refused_where_its_cache_cannot_be_handed_over(model_type,
     key by key: refused, with the reason, for caches holding more than keys and values."""
     import families
 
-    from hf_specdec.loop.prefill import check_model_prefill
+    from hf_specdec.cache.prefill import check_model_prefill
 
     with pytest.raises(ValueError, match=rf"model inputs \['pixel_values'\] are not supported .* handing {held}"):
         check_model_prefill(families.build_tiny_model(model_type), {"pixel_values": torch.zeros(1, 3, 8, 8)})
@@ -601,6 +601,79 @@ def test_llava_image_prompts_with_draft_chains_and_trees():
     assert outputs[-1].token_ids == plain[0, len(prompt) :].tolist() and engine.num_kv_blocks_used == 0
 
 
+def tiny_paligemma(sliding_window: int | None) -> torch.nn.Module:
+    """PaliGemma: a SigLIP tower whose 4 features replace the image tokens, then a Gemma whose prompt attends both
+    ways (`use_bidirectional_attention`); with `sliding_window`, PaliGemma 2's Gemma 2 (a sliding layer, a full one)."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    text = dict(TINY, model_type="gemma", vocab_size=300, num_hidden_layers=2, initializer_range=0.2)
+    if sliding_window is not None:
+        text.update(model_type="gemma2", sliding_window=sliding_window)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=16, projection_dim=64)  # fmt: skip
+    config = PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=299, projection_dim=64)
+    torch.manual_seed(0)
+    model = PaliGemmaForConditionalGeneration(config).eval()
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    return model
+
+
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_paligemma_prompt_attending_both_ways_is_prefilled_by_the_model(sliding_window):
+    """PaliGemma's prompt (image tokens and prefix text; on PaliGemma 1 text alone too, unpadded: SDPA runs it
+    with no mask) attends both ways in plain generate()'s first forward, and its positions count from 1: the
+    model's own forward prefills every prompt, the loop feeds the last prompt token again and speculates from
+    there. Greedy outputs and their logits are plain generate()'s with images (a left-padded batch) and without,
+    in generate() and in the engine; on PaliGemma 2 a prompt longer than the sliding window is refused (plain
+    generate() lets its last token read past the window there)."""
+    model = tiny_paligemma(sliding_window)
+    rows = [[*[299] * 4, 2, 5, 6, 7, 8, 9, 10, 11, 7, 8, 9, 10, 3], [*[299] * 4, 2, 20, 21, 22, 23, 20, 21, 3]]
+    text = torch.tensor([rows[0][4:]])
+    images = {**left_padded_batch(rows), "pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
+    images["token_type_ids"] = torch.zeros_like(images["input_ids"])  # the prefix, as PaliGemma's processor marks it
+    with torch.no_grad():  # the prompt attends both ways: dropping its last token changes the logits before it
+        whole = model(**{name: value[:1] for name, value in images.items()}).logits[0, :-1]
+        cut = model(**{name: value[:1, :-1] if name != "pixel_values" else value[:1] for name, value in images.items()}).logits[0]
+    assert (whole - cut).abs().max() > 0.1
+    plain = plain_generate(model, **images, max_new_tokens=24, do_sample=False)
+    other = plain_generate(model, **{**images, "pixel_values": images["pixel_values"].flip(0)}, max_new_tokens=24, do_sample=False)
+    assert not torch.equal(plain, other), "the images do not change the output"
+    for config in ({"method": "ngram"}, {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3}):
+        out = speculate(model, images, 24, **config)
+        assert torch.equal(out.sequences, plain) and out.spec_metrics["num_accepted_tokens"] > 0, config["method"]
+    # logits too: a prefill whose earlier keys missed the last prompt token moves them by ~0.5 with the same argmax
+    options = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    plain_logits = torch.stack(model.generate(**images, **options).logits, dim=1)
+    ours = model.generate(**images, **options, custom_generate=hf_specdec.generate, speculative_config={"method": "ngram"})
+    assert (torch.stack(ours.logits, dim=1) - plain_logits).abs().max() < 1e-4
+    alone = plain_generate(model, input_ids=text, attention_mask=torch.ones_like(text), max_new_tokens=24, do_sample=False)
+    out = speculate(model, {"input_ids": text, "attention_mask": torch.ones_like(text)}, 24, method="ngram")
+    assert torch.equal(out.sequences, alone)
+
+    engine = hf_specdec.SpeculativeEngine(model, {"method": "ngram"}, max_batch_size=2)
+    first = rows[1]
+    image = images["pixel_values"][1:]
+    expected = {
+        engine.add_request(text[0].tolist(), {"max_new_tokens": 24, "do_sample": False}): alone[0, text.shape[1] :].tolist(),
+        engine.add_request(first, {"max_new_tokens": 24, "do_sample": False}, model_inputs={
+            "pixel_values": image, "token_type_ids": torch.zeros(1, len(first), dtype=torch.long)
+        }): plain_generate(
+            model, input_ids=torch.tensor([first]), pixel_values=image, token_type_ids=torch.zeros(1, len(first), dtype=torch.long),
+            max_new_tokens=24, do_sample=False,
+        )[0, len(first) :].tolist(),
+    }  # fmt: skip
+    finished = {out.request_id: out.token_ids for _ in range(60) for out in engine.step() if out.finished}
+    assert finished == expected and engine.num_kv_blocks_used == 0
+
+    if sliding_window is None:
+        return
+    long_prompt = list(range(5, 30))  # 25 tokens, window 24
+    with pytest.raises(ValueError, match=r"input_ids: the prompt \(25 tokens\) is longer than the sliding window \(24 tokens\)"):
+        speculate(model, {"input_ids": torch.tensor([long_prompt])}, 4, method="ngram")
+    with pytest.raises(ValueError, match=r"prompt_ids: the prompt \(25 tokens\) is longer than the sliding window"):
+        engine.add_request(long_prompt, {"max_new_tokens": 4})
+
+
 def tiny_mrope_vlm(model_type: str, initializer_range: float = 0.02):
     """Qwen2.5-VL or Qwen3-VL (M-RoPE: an image's tokens sit on a 3-D grid) with a one-layer vision
     tower: 4-px patches, merged 2x2, so an image of 4x4 / 4x8 patches gives 4 / 8 tokens."""
@@ -642,7 +715,7 @@ def mrope_image_prompts() -> tuple[list[list[int]], list[dict]]:
 def test_mrope_image_prompts_continue_at_the_models_positions(model_type, monkeypatch):
     """After an image, M-RoPE models place text at its token count plus a per-row offset (here -2 and
     -4); the loop feeds those positions, in generate() (a left-padded batch) and in the engine."""
-    import hf_specdec.loop.prefill as prefill
+    import hf_specdec.cache.prefill as prefill
 
     model = tiny_mrope_vlm(model_type)
     prompts, inputs = mrope_image_prompts()

@@ -41,7 +41,6 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "zaya": "rolling its recurrent state back one token changes its logits",
     # image-text-to-text families, on text prompts
     "florence2": "encoder-decoder models are not supported",
-    "paligemma": "bidirectional attention",
     "t5gemma2": "encoder-decoder models are not supported",
     "unlimited_ocr": "'reference_sliding_attention'",
 }

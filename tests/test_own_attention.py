@@ -26,7 +26,7 @@ from hf_specdec.cache.own_attention import (
     runs_own_attention,
 )
 from hf_specdec.cache.paged_cache import PagedKVCache
-from hf_specdec.loop.prefill import check_model_prefill
+from hf_specdec.cache.prefill import check_model_prefill
 
 
 def own_attention_mistral(seed_copy: bool = False):

@@ -31,7 +31,7 @@ import contextlib
 import inspect
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ from .paged_attention import (
     use_paged_attention,
 )
 from .paged_cache import PagedKVCache, UnsupportedMaskError, UnsupportedModelError, layer_attention
+from .prefill import prefill_with_model, prompt_attends_both_ways
 
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PADDED_BATCH_PROBLEMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reason
@@ -115,7 +116,7 @@ def _verdict(model: PreTrainedModel) -> str:
             except _NoFallback as error:
                 problem = str(error)
             else:
-                if problem:
+                if problem and not prompt_attends_both_ways(model):  # own attention: no own-forward prefill there
                     own_problem = _checked(_own_attention_problem, model, "its forward does not run on its own cache")
                     if not own_problem:
                         padded = _PADDED_BATCH_PROBLEMS[model] = _checked(_padded_generate_problem, model, "plain generate() fails")
@@ -155,8 +156,6 @@ def _static_reason(model: PreTrainedModel, config, text) -> str:
         return "encoder-decoder models are not supported (decoder-only causal LMs only)"
     if getattr(text, "add_cross_attention", False):
         return "its layers cross-attend to encoder states (add_cross_attention)"
-    if getattr(text, "use_bidirectional_attention", None) in (True, "all"):  # "vision": among image tokens only
-        return "it uses bidirectional attention (use_bidirectional_attention)"
     if not model.can_generate():
         return f"{type(model).__name__} cannot generate (not a causal LM with a generation head)"
     if not type(model)._supports_default_dynamic_cache():
@@ -343,9 +342,12 @@ def _passed_through(model: PreTrainedModel) -> set[str]:
 
 def _probe(model: PreTrainedModel) -> str:
     """Two packed forwards on a scratch cache (two rows: 3 + 2 tokens, then 2 + 1), checked
-    against the model's own forward; '' when they agree, else what went wrong."""
+    against the model's own forward; '' when they agree, else what went wrong. A model whose prompt
+    attends both ways has its rows' first 3 and 2 tokens prefilled by its own forward (`prefill.py`), feeds
+    the rest (2 + 1, then 1 + 1) and is checked against plain generate() given those first tokens."""
     rows = _probe_rows(model)
     cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4, max_rollback=2)
+    prompt_lens = PREFILLED_PROMPT_LENGTHS if prompt_attends_both_ways(model) else None
     attention_layers = sum(kind in ("full", "sliding", "chunked", "indexed", "recurrent+attention") for kind, _ in cache.layer_kinds)
     reusing_layers = sum(kind == "reuse" for kind, _ in cache.layer_kinds)
     paged_logits: list[list[torch.Tensor]] = [[], []]
@@ -353,11 +355,18 @@ def _probe(model: PreTrainedModel) -> str:
     tensor_mask_layers: set = set()  # layers handed a mask the model built itself (ALiBi, hand-made masks)
     layer_masks: dict = {}  # layer index -> the ModelMask its attention got
     with _probing(model):
+        chunks, cached, offsets = PROBE_CHUNKS, [0, 0], [0, 0]
+        if prompt_lens:
+            chunks = PREFILLED_PROBE_CHUNKS
+            for row, length in enumerate(prompt_lens):
+                prompt = rows[row][None, :length].to(model.device)
+                prefilled = prefill_with_model(model, prompt, torch.ones_like(prompt), None, {}, cache, None, rows=[row])
+                cached[row], offsets[row] = int(prefilled.num_cached[0]), int(prefilled.position_offsets[0])
         with use_paged_attention(model):
             for step in range(2):
-                counts = [c[step] for c in PROBE_CHUNKS]
+                counts = [c[step] for c in chunks]
                 try:
-                    logits = _probe_forward(model, cache, rows, step)
+                    logits = _probe_forward(model, cache, rows, step, chunks, cached, offsets)
                 except (UnsupportedAttentionError, UnsupportedMaskError):
                     raise
                 except (AttributeError, TypeError) as error:
@@ -403,11 +412,14 @@ def _probe(model: PreTrainedModel) -> str:
                 f"its attention layers pass {unknown} to the attention function, which the paged attention "
                 "does not implement"
             )
-        return _logits_problem(model, rows, paged_logits, "on the paged cache")
+        return _logits_problem(model, rows, paged_logits, "on the paged cache", prompt_lens)
 
 
 # the probes' rows: 5 and 3 tokens, fed in two forwards of these many tokens each
 PROBE_LENGTHS, PROBE_CHUNKS = (5, 3), ((3, 2), (2, 1))
+# where the prompt attends both ways: these many tokens of each row are the prompt, then the rest are fed from its
+# last token on
+PREFILLED_PROMPT_LENGTHS, PREFILLED_PROBE_CHUNKS = (3, 2), ((2, 1), (1, 1))
 
 
 def _probe_rows(model: PreTrainedModel) -> list[torch.Tensor]:
@@ -417,29 +429,41 @@ def _probe_rows(model: PreTrainedModel) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (n,), generator=generator) for n in PROBE_LENGTHS]
 
 
-def _probe_forward(model: PreTrainedModel, cache: PagedKVCache, rows: list[torch.Tensor], step: int) -> torch.Tensor:
-    """Every position's logits of the probe's forward `step` (0, 1) over both rows."""
-    starts = [sum(c[:step]) for c in PROBE_CHUNKS]
-    counts = [c[step] for c in PROBE_CHUNKS]
+def _probe_forward(
+    model: PreTrainedModel, cache: PagedKVCache, rows: list[torch.Tensor], step: int,
+    chunks: tuple[tuple[int, int], ...] = PROBE_CHUNKS, cached: Sequence[int] = (0, 0), offsets: Sequence[int] = (0, 0),
+) -> torch.Tensor:  # fmt: skip
+    """Every position's logits of the probe's forward `step` (0, 1) over both rows (`cached` tokens of each
+    already in the cache, its positions its token counts plus `offsets`)."""
+    starts = [first + sum(c[:step]) for first, c in zip(cached, chunks)]
+    counts = [c[step] for c in chunks]
     ids = torch.cat([r[s : s + n] for r, s, n in zip(rows, starts, counts)])
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
+    positions = torch.cat([torch.arange(s, s + n) + offset for s, n, offset in zip(starts, counts, offsets)])
     return forward_tokens(
         model, cache, [0, 1], counts, ids.to(model.device), positions.to(model.device), np.arange(sum(counts))
     )
 
 
-def _logits_problem(model: PreTrainedModel, rows: list[torch.Tensor], fed_logits: list[list[torch.Tensor]], where: str) -> str:
+def _logits_problem(
+    model: PreTrainedModel, rows: list[torch.Tensor], fed_logits: list[list[torch.Tensor]], where: str,
+    prompt_lens: Sequence[int] | None = None,
+) -> str:  # fmt: skip
     """'' when each row's logits fed in pieces `where` equal the model's own forward over the row (float32;
-    other dtypes are not compared: rounding, not structure), and left padding is no problem."""
+    other dtypes are not compared: rounding, not structure), or with `prompt_lens`, plain generate()'s
+    logits from each row's prompt on (`_generated_logits`)."""
     if next(model.parameters()).dtype != torch.float32:
         return ""
     for row, tokens in enumerate(rows):
-        own = _own_forward_logits(model, tokens)
+        if prompt_lens is None:
+            own = _own_forward_logits(model, tokens)
+        else:
+            own = _generated_logits(model, tokens[: prompt_lens[row]], tokens[prompt_lens[row] :])
         fed = torch.cat(fed_logits[row])
         error = float((own - fed).abs().max())
         if error > PROBE_TOLERANCE * (1.0 + float(own.abs().max())):
+            reference = "its own forward" if prompt_lens is None else "plain generate()'s after its own prefill"
             return (
-                f"its logits {where} differ from its own forward by {error:.3g} (float32): its attention depends on "
+                f"its logits {where} differ from {reference} by {error:.3g} (float32): its attention depends on "
                 f"something {where} does not reproduce"
             )
     return ""
@@ -453,6 +477,18 @@ def _own_forward_logits(model: PreTrainedModel, tokens: torch.Tensor) -> torch.T
     if generate_passes_position_ids(model):
         inputs["position_ids"] = torch.arange(len(tokens), device=model.device)[None]
     return model(**inputs, use_cache=False).logits[0].float().cpu()
+
+
+def _generated_logits(model: PreTrainedModel, prompt: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
+    """The logits plain generate() gives after `prompt` and each token of `continuation` (made to pick them)."""
+    ids = prompt[None].to(model.device)
+    steps = len(continuation) + 1
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), logits_processor=[_FeedTokens(continuation.tolist() + [0])],
+        max_new_tokens=steps, min_new_tokens=steps, do_sample=False, num_beams=1, output_logits=True,
+        return_dict_in_generate=True, pad_token_id=int(model.generation_config.pad_token_id or 0),
+    )  # fmt: skip
+    return torch.stack(out.logits, dim=1)[0].float().cpu()
 
 
 def _batched_problem(model: PreTrainedModel) -> str:

@@ -92,6 +92,9 @@ class ModelMask:
     each row's positions. So every layer gets exactly the mask plain generate() gives it."""
 
     mask_function: Callable
+    # a prepared mask, as transformers' mask creation tells it from a 2-D padding mask: a model whose outer
+    # forward builds the mask and hands it to its language model (PaliGemma) gets it back from there (`paged_mask`)
+    ndim = 4
 
     def __getitem__(self, index) -> torch.Tensor:
         """The dense mask `[rows, 1, queries, S]` of the forward in progress, indexed: only for models
@@ -111,8 +114,10 @@ class ModelMask:
 def paged_mask(*args, mask_function: Callable = causal_mask_function, **kwargs) -> ModelMask:
     """The mask interface of the paged attention (registered with transformers'
     `AttentionMaskInterface`): keep the model's mask function instead of materialising a mask over
-    its single-batch layout, which is not the packed varlen layout the paged attention runs."""
-    return ModelMask(mask_function)
+    its single-batch layout, which is not the packed varlen layout the paged attention runs. A mask
+    the model prepared already passes as it is, as transformers' own creation returns a prepared 4-D mask."""
+    given = kwargs.get("attention_mask")
+    return given if isinstance(given, ModelMask) else ModelMask(mask_function)
 
 
 def paged_attention_forward(

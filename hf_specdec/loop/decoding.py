@@ -20,12 +20,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.architectures import check_architecture, padded_batch_problem
 from ..cache.own_attention import runs_one_row_per_forward
+from ..cache.prefill import check_model_prefill, prefill_with_model, prompt_attends_both_ways
 from ..config import SpeculativeConfig
 from ..sampling.grammar import with_speculative_grammars
 from ..sampling.logits_processing import StopChecker, check_supported_processors
 from .engine import ASSISTED_OPTIONS, ENGINE_INPUTS, SpeculativeEngine
 from .metrics import SpecDecodeMetrics
-from .prefill import check_model_prefill, prefill_with_model
 from .step import DecodeState, SamplingState
 
 
@@ -87,7 +87,7 @@ def generate(
     started = time.perf_counter()
     prefill_inputs = _prefill_inputs(model_kwargs)
     try:
-        if prefill_inputs:  # images and the like: the model's own forward prefills the prompt
+        if prefill_inputs or prompt_attends_both_ways(model):  # images and the like: the model's own forward prefills
             attention_mask = model_kwargs.get("attention_mask")
             with torch.no_grad():
                 state.num_cached[:], state.position_offsets[:] = prefill_with_model(
@@ -125,7 +125,7 @@ def generate(
 
 def _prefill_inputs(model_kwargs: dict) -> dict:
     """Inputs besides the tokens (images as `mm_encoder_outputs`, `token_type_ids`, ...): the model's own
-    prefill consumes them (`prefill.py`), as plain generate() uses them in its first step only."""
+    prefill consumes them (`cache/prefill.py`), as plain generate() uses them in its first step only."""
     return {
         k: v for k, v in model_kwargs.items()
         if k not in ENGINE_INPUTS and v is not None and not (isinstance(v, (dict, list, tuple)) and not v)

@@ -9,9 +9,9 @@
 Each request owns a row of the batch (a slot). It joins at a step boundary: its whole prompt is
 just its pending tokens, so its prefill rides in the next verify forward next to the other rows'
 drafts, as the first step of `generate()` treats every prompt (with `prefill_chunk_size`, a long
-prompt rides along a chunk per step: `step.prompt_chunks`). A prompt with images (`model_inputs`) is
+prompt rides along a chunk per step: `step.prompt_chunks`). A prompt with images (`model_inputs`), or any on a model whose prompt attends both ways, is
 prefilled at admission by the model's own forward instead, as `generate()` prefills one
-(`prefill.py`), and its last token rides in the next step. Rows that finish or are aborted free
+(`cache/prefill.py`), and its last token rides in the next step. Rows that finish or are aborted free
 their KV blocks and drafter state at once, and the slot takes the next waiting request.
 
 Admission reserves the KV blocks a request can ever hold (prompt + max_new_tokens, plus a tree's
@@ -59,6 +59,13 @@ from ..cache.architectures import check_architecture
 from ..cache.own_attention import OwnAttentionCache, runs_one_row_per_forward
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
+from ..cache.prefill import (
+    both_ways_prompt_problem,
+    check_model_prefill,
+    model_positions,
+    prefill_with_model,
+    prompt_attends_both_ways,
+)
 from ..config import SpeculativeConfig
 from ..drafters import build_proposer
 from ..drafters.drafting import DraftSampling, set_row_sampling
@@ -74,7 +81,6 @@ from ..sampling.logits_processing import (
 from .auto_k import controller_for
 from .auto_tree import AutoTreeController
 from .metrics import SpecDecodeMetrics
-from .prefill import check_model_prefill, model_positions, prefill_with_model
 from .step import DecodeState, SamplingState, drafter_networks, release_rows, speculative_step
 
 logger = logging.getLogger(__name__)
@@ -332,6 +338,11 @@ class SpeculativeEngine:
         ):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} or None, got {logprobs!r}")
         model_inputs, position_ids = self._check_model_inputs(model_inputs, prompt)
+        if model_inputs is None and prompt_attends_both_ways(self.model):
+            model_inputs = {}  # no other inputs, but the model's own forward prefills every prompt (`cache/prefill.py`)
+        problem = both_ways_prompt_problem(self.model, len(prompt))
+        if problem:
+            raise ValueError(f"prompt_ids: {problem}")
         constraint = self._request_processors(logits_processor, prompt_width=len(prompt))
         if grammar is not None:
             constraint.append(SpeculativeGrammar([self._check_grammar(grammar)], prompt_width=len(prompt)))
@@ -560,7 +571,7 @@ class SpeculativeEngine:
         return failed
 
     def _prefill_with_model(self, row: int, request: _Request) -> None:
-        """The model's own forward prefills the row's prompt but its last token (`prefill.py`), on the
+        """The model's own forward prefills the row's prompt but its last token (`cache/prefill.py`), on the
         model's own attention and linears, as in plain generate()'s first step."""
         self._pause_decoding()
         prompt = torch.from_numpy(request.prompt)[None].to(self.model.device)

@@ -55,7 +55,7 @@ class DecodeState:
     finished: np.ndarray  # bool per row
     max_lengths: np.ndarray  # per row, the column count (padding included) at which it stops (<= width)
     pad_token_id: int
-    # per row, added to a token's count to give its position: 0 but after an M-RoPE image (`prefill.py`)
+    # per row, added to a token's count to give its position: 0 but after an M-RoPE image or where the model counts from 1 (`cache/prefill.py`)
     position_offsets: np.ndarray
 
     def active_rows(self) -> np.ndarray:

@@ -15,6 +15,14 @@ positions generate() computes (`_prepare_position_ids_for_generation`) and hands
 offset (`DecodeState.position_offsets`); the loop feeds the model 1-D positions, which it spreads
 over the three axes itself.
 
+Models whose prompt attends both ways (`prompt_attends_both_ways`: PaliGemma's prefix, text-only
+prompts too) take this path for every prompt. Plain generate()'s first forward lets each prompt token
+see the later ones, so no piece of the prompt gives its keys: the model's own forward runs over the
+whole prompt, every key but the last token's is copied, and the loop feeds the last token again. That
+token reads every prompt token either way, so its logits are the first forward's; after it plain
+generate() decodes one token per forward, which the loop's causal verify reproduces. Positions are
+the ones the forward was handed: PaliGemma's `prepare_inputs_for_generation` counts from 1.
+
 What is refused, with the reason: a prompt whose last token has different positions on those axes
 (it ends with an image: the next positions are not one number), hybrid models (their recurrent
 state would have to be copied per row as well), sparse indexed attention (its indexer keys too) and
@@ -24,17 +32,42 @@ models that run on their own attention (`own_attention.py`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
-from ..cache.forward import takes_logits_to_keep
-from ..cache.own_attention import runs_own_attention
-from ..cache.paged_cache import PagedKVCache, layer_attention
-from ..models.feature_capture import TargetFeatureCapture
+from .forward import takes_logits_to_keep
+from .own_attention import runs_own_attention
+from .paged_cache import PagedKVCache, layer_attention
+
+if TYPE_CHECKING:
+    from ..models.feature_capture import TargetFeatureCapture
+
+
+def prompt_attends_both_ways(model: PreTrainedModel) -> bool:
+    """Whether plain generate()'s first forward lets prompt tokens attend to later ones (PaliGemma's text
+    model: `use_bidirectional_attention`), so that the model's own forward must prefill every prompt."""
+    return getattr(model.config.get_text_config(), "use_bidirectional_attention", None) in (True, "all")
+
+
+def both_ways_prompt_problem(model: PreTrainedModel, prompt_length: int) -> str:
+    """Why a prompt of `prompt_length` tokens (padding included) cannot be prefilled exactly, '' when it can.
+    Where the prompt attends both ways, plain generate()'s first forward can let its last token read past a
+    sliding window (PaliGemma 2's image-and-prefix block overrides the window: measured on a tiny one), and
+    the loop feeds that token again under the window."""
+    if not prompt_attends_both_ways(model):
+        return ""
+    windows = [size for kind, size in layer_attention(model.config) if kind in ("sliding", "chunked") and size]
+    if windows and prompt_length > min(windows):
+        return (
+            f"the prompt ({prompt_length} tokens) is longer than the sliding window ({min(windows)} tokens) of a model "
+            "whose prompt attends both ways: in plain generate()'s first forward its last token can read past the "
+            "window, which speculative decoding does not reproduce; shorten the prompt"
+        )
+    return ""
 
 
 def check_model_prefill(model: PreTrainedModel, inputs: dict) -> None:
@@ -70,29 +103,39 @@ def prefill_with_model(
     features: TargetFeatureCapture | None,
     rows: Sequence[int] | None = None,
 ) -> PrefilledRows:
-    """Run the model's own forward over every prompt token but the last (left-padded batch, with the
-    positions plain generate() computed for it, None: computed here as generate() does, and the extra
-    `inputs`), copy each row's keys / values into `cache` and, for drafters reading the target's hidden
-    states, queue each row's features. `rows`: the cache row of each batch row (default: the same
-    index; the engine prefills one request into its own slot)."""
+    """Run the model's own forward over every prompt token but the last (the whole prompt where it attends
+    both ways; left-padded batch, with the positions plain generate() computed for it, None: computed here
+    as generate() does, and the extra `inputs`), copy each row's keys / values but its last token's into
+    `cache` and, for drafters reading the target's hidden states, queue each row's features. `rows`: the
+    cache row of each batch row (default: the same index; the engine prefills one request into its own slot)."""
     batch, width = input_ids.shape
+    problem = both_ways_prompt_problem(model, width)
+    if problem:
+        raise ValueError(f"input_ids: {problem}")
     prompt_lens = attention_mask.sum(dim=1).cpu().numpy().astype(np.int64)
     cached = np.maximum(prompt_lens - 1, 0)
     position_ids, offsets = model_positions(model, input_ids, attention_mask, inputs, position_ids)
-    if width < 2:
+    fed = width if prompt_attends_both_ways(model) else width - 1  # tokens the model's own forward runs over
+    if fed < 1:
         return PrefilledRows(cached, offsets)
     own_cache = DynamicCache(config=model.config)
+    if fed == width:  # its last token's keys are dropped below, and the token fed again reads the window before it
+        own_cache.layers = [
+            DynamicSlidingWindowLayer(sliding_window=layer.sliding_window + 1) if type(layer) is DynamicSlidingWindowLayer
+            else layer for layer in own_cache.layers
+        ]  # fmt: skip
     prepared = model.prepare_inputs_for_generation(
-        input_ids[:, :-1], cache=own_cache, attention_mask=attention_mask[:, :-1], use_cache=True,
-        position_ids=position_ids[..., :-1], is_first_iteration=True, **inputs,
+        input_ids[:, :fed], cache=own_cache, attention_mask=attention_mask[:, :fed], use_cache=True,
+        position_ids=position_ids[..., :fed], is_first_iteration=True, **inputs,
     )
+    offsets = offsets + _prepared_shift(position_ids[..., :fed], prepared.get("position_ids"))
     if features is not None:
         features.begin_forward()
     keep = {}
     if takes_logits_to_keep(type(model)):
         # an index tensor, not 1, when hidden states are captured: given an int, models whose last layers
         # reuse earlier layers' KV (Gemma 3n / 4) run those layers on the last position only
-        keep["logits_to_keep"] = 1 if features is None else torch.tensor([width - 2], device=input_ids.device)
+        keep["logits_to_keep"] = 1 if features is None else torch.tensor([fed - 1], device=input_ids.device)
     model(**prepared, **keep)
     for index, row in enumerate(range(batch) if rows is None else rows):
         count = int(cached[index])
@@ -102,11 +145,20 @@ def prefill_with_model(
         for layer, own in enumerate(own_cache.layers):
             if own.keys is None:  # a layer without a cache of its own (reusing another's, or MoE / MLP only)
                 continue
-            keys, values = _row_states(own.keys, index, count), _row_states(own.values, index, count)
+            dropped = fed - (width - 1)  # the last token's keys, where the forward ran over it
+            keys, values = _row_states(own.keys, index, count, dropped), _row_states(own.values, index, count, dropped)
             cache.layers[layer].update(keys, values, metadata=metadata)
         if features is not None:
             features.keep(row, width - 1 - count, count, batch_index=index)
     return PrefilledRows(cached, offsets)
+
+
+def _prepared_shift(given: torch.Tensor, prepared: torch.Tensor | None) -> np.ndarray | int:
+    """Per row, what the model's `prepare_inputs_for_generation` adds to generate()'s positions (PaliGemma: 1)."""
+    if not isinstance(prepared, torch.Tensor) or prepared.shape != given.shape:
+        return 0
+    shift = (prepared - given.to(prepared.device))[..., -1].cpu().long()
+    return shift.reshape(-1, shift.shape[-1])[0].numpy()
 
 
 def model_positions(
@@ -145,11 +197,13 @@ def _position_offsets(model: PreTrainedModel, position_ids: torch.Tensor, prompt
     return last.numpy() - (prompt_lens - 1)
 
 
-def _row_states(states: torch.Tensor, row: int, count: int) -> torch.Tensor:
-    """The row's last `count` positions of a `[batch, heads, kept, dim]` cache tensor as `[1, heads, count, dim]`.
+def _row_states(states: torch.Tensor, row: int, count: int, drop: int = 0) -> torch.Tensor:
+    """The row's last `count` positions of a `[batch, heads, kept, dim]` cache tensor, before its last `drop`
+    ones, as `[1, heads, count, dim]`.
 
     A sliding-window layer keeps fewer positions than the prompt holds: the missing early ones are
     zeros here, never read (the layer's mask hides them)."""
+    states = states[:, :, : states.shape[2] - drop]
     kept = states.shape[2]
     if kept >= count:
         return states[row : row + 1, :, kept - count :]
