@@ -269,6 +269,21 @@ def test_inputs_embeds_rejected(enabled_llama):
         )
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"dola_layers": "low"}, "dola_layers='low' asks for DoLa decoding"),
+        ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha=0.6 asks for contrastive search"),
+        ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True: .* not attentions"),
+        ({"output_hidden_states": True, "return_dict_in_generate": True}, "output_hidden_states=True: .* hidden states"),
+    ],
+)
+def test_options_the_loop_would_ignore_are_refused(enabled_llama, options, message):
+    """Other decoding strategies and per-step outputs the loop does not produce: refused, not ignored."""
+    with pytest.raises(ValueError, match=message):
+        enabled_llama.generate(**repeated_span_batch(1), max_new_tokens=4, speculative_config=ngram_config(), **options)
+
+
 def test_transformers_assisted_generation_not_combined(enabled_llama):
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
         enabled_llama.generate(

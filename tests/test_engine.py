@@ -537,6 +537,7 @@ def test_stop_strings_and_finish_reasons(model, word_tokenizer):
         ([3, 4], {"max_new_tokens": 0}, "max_new_tokens` must be greater than 0"),
         ([3, 4], {"max_new_tokens": 600}, "exceeds max_model_len=512"),
         ([3, 4], {"num_beams": 2}, "num_beams=2 is not supported"),
+        ([3, 4], {"dola_layers": "high"}, "generation_config.dola_layers='high' asks for DoLa decoding"),
         ([3, 4], {"not_a_field": 1}, r"unknown fields \['not_a_field'\]"),
         ([3, 4], "greedy", "generation_config must be a GenerationConfig"),
     ],

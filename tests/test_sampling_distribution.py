@@ -32,6 +32,8 @@ SETTINGS = {
     "temperature_topk_topp": dict(temperature=1.3, top_k=10, top_p=0.95),
     "minp_repetition_penalty": dict(temperature=1.0, min_p=0.05, repetition_penalty=1.4),
     "no_repeat_ngram_topk": dict(temperature=1.1, no_repeat_ngram_size=3, top_k=12),
+    "typical_epsilon": dict(temperature=1.2, typical_p=0.9, epsilon_cutoff=0.02),
+    "eta_top_h": dict(temperature=1.0, eta_cutoff=0.02, top_h=0.8),
 }
 # OpenAI's presence / frequency penalties over the generated tokens (every row's prompt is PROMPT)
 PENALTIES = dict(

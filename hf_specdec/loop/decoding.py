@@ -24,7 +24,7 @@ from ..cache.prefill import check_model_prefill, prefill_with_model, prompt_atte
 from ..config import SpeculativeConfig
 from ..sampling.grammar import with_speculative_grammars
 from ..sampling.logits_processing import StopChecker, check_supported_processors
-from .engine import ASSISTED_OPTIONS, ENGINE_INPUTS, SpeculativeEngine
+from .engine import ASSISTED_OPTIONS, ENGINE_INPUTS, SpeculativeEngine, unsupported_option
 from .metrics import SpecDecodeMetrics
 from .step import DecodeState, SamplingState
 
@@ -138,6 +138,9 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
     for option in ASSISTED_OPTIONS:
         if getattr(generation_config, option, None):
             raise ValueError(f"{option} is transformers' own assisted generation; do not combine it with speculative_config")
+    problem = unsupported_option(generation_config, generation_config.return_dict_in_generate)
+    if problem:
+        raise ValueError(f"{problem}; remove it")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("inputs_embeds is not supported with speculative decoding; pass input_ids")
     prefill_inputs = _prefill_inputs(model_kwargs)

@@ -102,6 +102,22 @@ ENGINE_INPUTS = frozenset({
 })  # fmt: skip
 # generate()'s assisted-generation options: they would run transformers' own speculation instead
 ASSISTED_OPTIONS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+# decoding strategies other than greedy search and sampling (transformers moved both to custom_generate repositories)
+OTHER_STRATEGIES = {"dola_layers": "DoLa decoding", "penalty_alpha": "contrastive search"}
+# per-step outputs plain generate() returns beside the tokens, which the loop does not produce
+UNRETURNED_OUTPUTS = ("output_attentions", "output_hidden_states")
+
+
+def unsupported_option(config: GenerationConfig, returns_outputs: bool) -> str:
+    """A generation option speculative decoding would otherwise ignore, and why; '' when none.
+    `returns_outputs`: per-step outputs are returned (generate()'s `return_dict_in_generate`, the engine)."""
+    for option, strategy in OTHER_STRATEGIES.items():
+        if getattr(config, option, None):
+            return f"{option}={getattr(config, option)!r} asks for {strategy}, which speculative decoding does not run"
+    asked = [option for option in UNRETURNED_OUTPUTS if returns_outputs and getattr(config, option, False)]
+    if asked:
+        return f"{asked[0]}=True: speculative decoding returns tokens, scores and logits, not attentions or hidden states"
+    return ""
 
 
 @dataclass
@@ -434,6 +450,9 @@ class SpeculativeEngine:
         for option in ASSISTED_OPTIONS:
             if getattr(config, option, None):
                 raise ValueError(f"generation_config.{option} is transformers' own assisted generation; not with the engine")
+        problem = unsupported_option(config, returns_outputs=True)
+        if problem:
+            raise ValueError(f"generation_config.{problem}; remove it")
         self.model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=self.model.device)
         return config
 
