@@ -284,6 +284,11 @@ def test_options_the_loop_would_ignore_are_refused(enabled_llama, options, messa
         enabled_llama.generate(**repeated_span_batch(1), max_new_tokens=4, speculative_config=ngram_config(), **options)
 
 
+def test_token_healing_refused_with_what_to_do(enabled_llama):
+    with pytest.raises(ValueError, match=r"token_healing is not supported .* model.heal_tokens\(input_ids, tokenizer\)"):
+        enabled_llama.generate(**repeated_span_batch(1), max_new_tokens=4, token_healing=True, speculative_config=ngram_config())
+
+
 def test_transformers_assisted_generation_not_combined(enabled_llama):
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
         enabled_llama.generate(

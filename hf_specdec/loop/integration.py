@@ -53,6 +53,7 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
                 "or drop speculative_config to run your own"
             )
         kwargs.pop("custom_generate", None)
+        _refuse_token_healing(model, kwargs)
         _move_streamer(kwargs)
         _move_stop_strings_to_criteria(model, kwargs)
         _reached.ours = False
@@ -95,6 +96,18 @@ def _move_streamer(kwargs: dict) -> None:
     if kwargs.get("speculative_streamer") is not None:
         raise ValueError("give streamer= or speculative_streamer=, not both (they name the same streamer)")
     kwargs["speculative_streamer"] = streamer
+
+
+def _refuse_token_healing(model: PreTrainedModel, kwargs: dict) -> None:
+    """transformers heals the prompt with the tokenizer it drops for custom callables, and then fails saying
+    none was passed: say what to do instead."""
+    generation_config = kwargs.get("generation_config") or model.generation_config
+    if kwargs.get("token_healing", getattr(generation_config, "token_healing", False)):
+        raise ValueError(
+            "token_healing is not supported with speculative_config (transformers does not hand the tokenizer to a "
+            "custom decoding loop): heal the prompt first, input_ids = model.heal_tokens(input_ids, tokenizer), "
+            "and pass the healed ids"
+        )
 
 
 def _move_stop_strings_to_criteria(model: PreTrainedModel, kwargs: dict) -> None:
