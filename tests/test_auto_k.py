@@ -224,6 +224,24 @@ def test_controller_prices_each_k_by_its_own_steps():
     assert 1 + controller.c(1) * 8 < 1.3
 
 
+def test_a_batch_that_ends_together_chooses_k_for_its_last_row():
+    """Two rows: row 0 takes every draft, row 1 finds none (an n-gram lookup without a match). Pooled, alpha
+    stays high and k large; for the row furthest from its end (row 1) a step yields one token whatever k,
+    so drafting only costs: off there. Its alpha starts from the pooled one and is forgotten per batch."""
+    controller = AutoKController(k_max=8)
+    controller.record_step(0.040, 0, [0, 0], [0, 0])  # a plain step: 40 ms at 2 rows
+    for _ in range(30):
+        k = controller.next_k(2)
+        controller.record_step(0.040 * (1 + 0.05 * k), k, [k, 0], [k, 0], rows=[0, 1])
+    assert controller.alpha > 0.9 and controller.next_k(2) >= 4
+    assert controller.next_k(2, last_row=1) == 0
+    assert controller.next_k(2, last_row=0) >= 4
+    controller.record_step(0.030, 0, [0], [0])  # a plain step at one row
+    assert controller.next_k(1, last_row=1) >= 4  # one row: the pooled estimate (carried across calls) decides
+    controller.begin_batch()
+    assert controller.next_k(2, last_row=1) >= 4  # a new batch's row 1 is another prompt: the pooled estimate again
+
+
 def test_choose_k_for_costs():
     assert choose_k_for_costs(0.7, [1.0, 1.0, 1.0]) == 3  # free drafts: as many as allowed
     assert choose_k_for_costs(0.7, [1.1, 1.1, 1.5]) == 2
@@ -302,7 +320,7 @@ def test_auto_greedy_matches_plain_generate(enabled_llama, monkeypatch, method, 
     monkeypatch.setattr(engine, "build_proposer", recording_build_proposer)
     chosen, recorded = [], []
     next_k, record_step = AutoKController.next_k, AutoKController.record_step
-    monkeypatch.setattr(AutoKController, "next_k", lambda self, rows: chosen.append(next_k(self, rows)) or chosen[-1])
+    monkeypatch.setattr(AutoKController, "next_k", lambda self, *args: chosen.append(next_k(self, *args)) or chosen[-1])
     monkeypatch.setattr(
         AutoKController, "record_step", lambda self, seconds, k, *rest: recorded.append(k) or record_step(self, seconds, k, *rest)
     )
@@ -475,7 +493,7 @@ def test_auto_sampling_matches_exact_distribution(monkeypatch):
 
     chosen: list[int] = []
     next_k = AutoKController.next_k
-    monkeypatch.setattr(AutoKController, "next_k", lambda self, rows: chosen.append(next_k(self, rows)) or chosen[-1])
+    monkeypatch.setattr(AutoKController, "next_k", lambda self, *args: chosen.append(next_k(self, *args)) or chosen[-1])
     # every call from the priors (a 3-token call is too short to probe): carried over, a call whose
     # drafts did not pay would leave the next ones drafting nothing, and they must draft
     monkeypatch.setattr(engine, "controller_for", lambda model, config, do_sample: AutoKController(config.max_draft_tokens))

@@ -12,7 +12,9 @@ then runs a probe: two small packed forwards on a scratch `PagedKVCache`, which 
   model that computes attention itself, or shares one layer's cache with another, fails here);
 - hand the attention function nothing it cannot honour (`UnsupportedAttentionError`);
 - in float32, give the same logits as the model's own forward over the same tokens, so a mask or
-  position rule the paged path does not know shows up as a refusal, not as wrong tokens.
+  position rule the paged path does not know shows up as a refusal, not as wrong tokens. Where the
+  prompt attends both ways (PaliGemma), a prefix is prefilled by the model's own forward (`prefill.py`)
+  and the rest is checked against plain `generate()`'s logits after that prefix.
 
 Where the paged probe fails for a reason the model's own code would not, the same probe runs on the
 model's own attention and cache (`own_attention.py`), one row per forward, then, for a model whose

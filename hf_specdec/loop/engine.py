@@ -551,6 +551,7 @@ class SpeculativeEngine:
                 self.model, self.state, self.proposer, self.cache, self.config, processors, self.stop_checker,
                 self.sampling, self.metrics, self.features, k_controller=self.k_controller,
                 tree_controller=self.tree_controller, keep_logits=keep_logits, prefill_chunk=self.prefill_chunk_size,
+                ends_together=self._row_processors is None,  # generate()'s fixed batch, not requests coming and going
             )  # fmt: skip
 
     def _admit(self) -> list[RequestOutput]:

@@ -90,6 +90,7 @@ def speculative_step(
     tree_controller: AutoTreeController | None = None,
     keep_logits: bool = False,
     prefill_chunk: int | None = None,
+    ends_together: bool = False,
 ) -> list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
     """One draft / verify / accept step over every active row.
 
@@ -98,6 +99,8 @@ def speculative_step(
     `k_controller` (num_speculative_tokens="auto"): picks this step's k and learns from its timing;
     `tree_controller` (tree="auto"): the same for the tree's size. `prefill_chunk`: at most this many
     prompt tokens enter the forward per step (`prompt_chunks`); None: every prompt at once.
+    `ends_together`: the batch ends when its last row does (generate()'s): auto k weighs the row furthest
+    from its end (`auto_k.py`).
 
     Returns, per active row: (row, emitted tokens, their raw logits, their processed logits), the
     logits only with `keep_logits` (else None).
@@ -115,7 +118,11 @@ def speculative_step(
 
     # 1. draft: k drafts, never more than the row may still emit, minus the token the target adds
     timer = StepTimer(model.device)  # the parts' seconds for the metrics, and for a profile when one is active
-    k = config.max_draft_tokens if k_controller is None else k_controller.next_k(len(rows))
+    if k_controller is None:
+        k = config.max_draft_tokens
+    else:
+        last_row = int(rows[np.argmax(state.max_lengths[rows] - state.seq_lens[rows])]) if ends_together else None
+        k = k_controller.next_k(len(rows), last_row)
     if config.disable_by_batch_size is not None and len(rows) >= config.disable_by_batch_size:
         k = 0
     max_lengths = state.max_lengths[rows]
@@ -218,7 +225,7 @@ def speculative_step(
     if tree_controller is not None and num_draft.any() and num_pending.max() == 1 and not len(chunk_rows):  # no prefill
         tree_controller.record_step(len(rows), tree_size, seconds, int(num_kept.sum()))
     if k_controller is not None:
-        k_controller.record_step(seconds, k, spec.num_draft_tokens, num_accepted.tolist())
+        k_controller.record_step(seconds, k, spec.num_draft_tokens, num_accepted.tolist(), rows.tolist())
     return emitted
 
 
