@@ -567,6 +567,33 @@ def test_image_prompt_prefilled_by_the_model_then_speculated(drafter):
     assert out.spec_metrics["num_draft_tokens"] > 0
 
 
+def test_positions_given_to_generate_are_honoured():
+    """generate(position_ids=...) runs the prompt at the caller's positions and continues from the last one;
+    they change the output (RoPE sees other distances). The model's own forward prefills such a prompt and the
+    loop continues at each row's offset, with drafts accepted and rejected. Before, they were dropped: the
+    tokens of the default positions. A model on its own attention, where that prefill is not handed over,
+    refuses them, naming them."""
+    import families
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**dict(TINY, initializer_range=0.2), num_hidden_layers=2)).eval()
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    inputs = left_padded_batch(repeated_span_prompts(3, seed=4))
+    spread = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0) * 3  # every third position, padding at 0
+    plain = plain_generate(model, **inputs, position_ids=spread, max_new_tokens=16, do_sample=False)
+    assert not torch.equal(plain, plain_generate(model, **inputs, max_new_tokens=16, do_sample=False))
+    accepted = 0
+    for config in ({"method": "ngram"}, {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3}):
+        out = speculate(model, {**inputs, "position_ids": spread}, 16, **config)
+        assert torch.equal(out.sequences, plain), config["method"]
+        accepted += out.spec_metrics["num_accepted_tokens"]
+    assert accepted > 0
+    own = families.build_tiny_model("gpt_neo")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match=r"model inputs \['position_ids'\] are not supported for model_type='gpt_neo'"):
+        speculate(own, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(4)[None] * 2}, 4)
+
+
 def test_llava_image_prompts_with_draft_chains_and_trees():
     """Llava (a CLIP tower whose 17 features replace the image tokens, a Llama over them): a model
     transformers lists only as image-text-to-text. Draft trees work on it (no sliding window), in

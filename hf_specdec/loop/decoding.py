@@ -87,7 +87,8 @@ def generate(
     started = time.perf_counter()
     prefill_inputs = _prefill_inputs(model_kwargs)
     try:
-        if prefill_inputs or prompt_attends_both_ways(model):  # images and the like: the model's own forward prefills
+        # images and the like, or positions of the caller's choosing: the model's own forward prefills
+        if prefill_inputs or prompt_attends_both_ways(model) or _given_positions(model, input_ids, model_kwargs):
             attention_mask = model_kwargs.get("attention_mask")
             with torch.no_grad():
                 state.num_cached[:], state.position_offsets[:] = prefill_with_model(
@@ -132,6 +133,22 @@ def _prefill_inputs(model_kwargs: dict) -> dict:
     }
 
 
+def _given_positions(model, input_ids: torch.Tensor, model_kwargs: dict) -> bool:
+    """Whether generate() was handed prompt positions other than the ones it computes from the attention mask:
+    plain generate() runs the prompt at them and continues from the last one, so the model's own forward
+    prefills such a prompt (`cache/prefill.py`) and the loop continues at that offset."""
+    given = model_kwargs.get("position_ids")
+    if given is None:
+        return False
+    # without padding generate() drops the attention mask after computing them: `[1, width]` then, for every row
+    own = model._prepare_position_ids_for_generation(
+        input_ids, {"attention_mask": model_kwargs.get("attention_mask"), **_prefill_inputs(model_kwargs)}
+    ).to(given.device)
+    if own.ndim != given.ndim or any(o not in (g, 1) for o, g in zip(own.shape, given.shape)):
+        return True
+    return not torch.equal(own.expand_as(given), given)
+
+
 def _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, max_length) -> None:
     if generation_config.num_beams != 1:
         raise ValueError(f"num_beams={generation_config.num_beams} is not supported with speculative decoding; allowed: 1")
@@ -143,9 +160,6 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
         raise ValueError(f"{problem}; remove it")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("inputs_embeds is not supported with speculative decoding; pass input_ids")
-    prefill_inputs = _prefill_inputs(model_kwargs)
-    if prefill_inputs:
-        check_model_prefill(model, prefill_inputs)
     cache = model_kwargs.get("cache")
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("a pre-filled cache cannot be reused with speculative decoding; pass cache=None")
@@ -154,7 +168,12 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
     check_supported_processors(logits_processor)
-    check_architecture(model)  # last: it may run a small probe forward, once per model
+    check_architecture(model)  # it may run a small probe forward, once per model
+    prefill_inputs = _prefill_inputs(model_kwargs)  # after it: whether the model runs on its own attention is its verdict
+    if _given_positions(model, input_ids, model_kwargs):
+        prefill_inputs["position_ids"] = model_kwargs["position_ids"]
+    if prefill_inputs:
+        check_model_prefill(model, prefill_inputs)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is not None and not bool(attention_mask.all()):
         problem = padded_batch_problem(model, max_length)
