@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import SMALL_VOCAB_SIZE, build_small_vocab_llama
 from scipy.stats import chisquare, kstest
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_specdec
 from hf_specdec.loop import step
@@ -46,28 +46,50 @@ def model():
     return hf_specdec.enable(build_small_vocab_llama())
 
 
+class _ForceSuffix(LogitsProcessor):
+    """Makes row i of generate() pick `suffixes[i]` in its first steps, then leaves the scores alone."""
+
+    def __init__(self, suffixes: list[tuple[int, ...]], prompt_width: int):
+        self.suffixes, self.prompt_width = torch.tensor(suffixes, dtype=torch.long).reshape(len(suffixes), -1), prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        step = input_ids.shape[1] - self.prompt_width
+        if step >= self.suffixes.shape[1]:
+            return scores
+        forced = torch.full_like(scores, -torch.inf)
+        forced[torch.arange(len(scores)), self.suffixes[:, step]] = 0.0
+        return forced
+
+
 def exact_distribution(
-    model, sampling: dict, prompt: list[int] = PROMPT, inputs=None, tokens=range(SMALL_VOCAB_SIZE)
+    model, sampling: dict, prompt: list[int] = PROMPT, inputs=None, tokens=range(SMALL_VOCAB_SIZE), decoded: bool = False
 ) -> dict[tuple[int, ...], float]:
     """P(next 3 tokens) by enumeration, from plain generate()'s processed scores at every prefix.
     `inputs(input_ids)`: other inputs for a batch of those prefixes (an image's, for instance);
-    `tokens`: the ones that can be sampled (the rest suppressed)."""
+    `tokens`: the ones that can be sampled (the rest suppressed). Each prefix is a prompt of its own, or with
+    `decoded` the prompt followed by the suffix generate() is made to pick: for a model whose prompt attends
+    both ways (PaliGemma) the two differ, and only the latter is what sampling from the prompt gives."""
     probs: dict[tuple[int, ...], torch.Tensor] = {}
     for depth in range(NEW_TOKENS):
         suffixes = list(itertools.product(tokens, repeat=depth))
-        input_ids = torch.tensor([prompt + list(s) for s in suffixes])
+        if decoded:
+            input_ids = torch.tensor([prompt] * len(suffixes))
+            forced = {"logits_processor": LogitsProcessorList([_ForceSuffix(suffixes, len(prompt))])}
+        else:
+            input_ids, forced = torch.tensor([prompt + list(s) for s in suffixes]), {}
         out = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
             **(inputs(input_ids) if inputs else {}),
-            max_new_tokens=1,
+            max_new_tokens=1 + (depth if decoded else 0),
             do_sample=True,
             output_scores=True,
             return_dict_in_generate=True,
             pad_token_id=0,
+            **forced,
             **sampling,
         )
-        step_probs = torch.softmax(out.scores[0].double(), dim=-1)
+        step_probs = torch.softmax(out.scores[-1].double(), dim=-1)
         for suffix, p in zip(suffixes, step_probs):
             probs[suffix] = p
     return {
@@ -330,6 +352,33 @@ def assert_follows_exact_distribution_until_broken(model, seed: int, break_it) -
     assert chi_square_pvalue(samples, exact) > 1e-3
     break_it()
     samples, _ = speculative_samples(model, sampling, config, num_samples=2000, seed=seed)
+    assert chi_square_pvalue(samples, exact) < 1e-3
+
+
+def test_sampling_on_a_prompt_attending_both_ways_matches_exact_distribution(monkeypatch):
+    """PaliGemma (its text prompt attends both ways under SDPA; the model's own forward prefills it) against the
+    distribution plain generate() samples from (the prompt, then each suffix decoded: it differs from the
+    suffix read as part of the prompt by up to 0.08); broken: the prompt fed causally on the paged path."""
+    import families
+
+    from hf_specdec.loop import decoding
+
+    config = families.tiny_config("paligemma", init_scale=0.3)
+    text = config.get_text_config()
+    text.vocab_size, text.pad_token_id, text.eos_token_id, text.bos_token_id = SMALL_VOCAB_SIZE, 0, None, None
+    model = families.build_tiny_model("paligemma", config=config)
+    model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+    model = hf_specdec.enable(model)
+    sampling = SETTINGS["temperature_topk_topp"]
+    exact = exact_distribution(model, sampling, decoded=True)
+    assert max(exact.values()) < 0.5, "the distribution is nearly deterministic: the test would prove little"
+    config = {"method": "draft_model", "model": build_small_vocab_llama(1), "num_speculative_tokens": 2}
+    samples, metrics = speculative_samples(model, sampling, config, num_samples=2000, seed=99)
+    accepted = sum(m["num_accepted_tokens"] for m in metrics)
+    assert 0 < accepted < sum(m["num_draft_tokens"] for m in metrics), "drafts all accepted or all rejected"
+    assert chi_square_pvalue(samples, exact) > 1e-3
+    monkeypatch.setattr(decoding, "prompt_attends_both_ways", lambda model: False)
+    samples, _ = speculative_samples(model, sampling, config, num_samples=2000, seed=99)
     assert chi_square_pvalue(samples, exact) < 1e-3
 
 
