@@ -507,13 +507,19 @@ def test_sparse_indexed_attention_takes_left_padded_batches_within_index_topk(mo
                                                    ("deepseek_v32", "a sparse indexer's keys")])  # fmt: skip
 def test_model_prefill_refused_where_its_cache_cannot_be_handed_over(model_type, held):
     """Image (or other non-text) inputs make the model prefill its own cache, which the loop then copies
-    key by key: refused, with the reason, for caches holding more than keys and values."""
+    key by key: refused, with the reason, for caches holding more than keys and values; and such a model
+    whose prompt attends both ways is refused whole."""
     import families
 
     from hf_specdec.cache.prefill import check_model_prefill
 
     with pytest.raises(ValueError, match=rf"model inputs \['pixel_values'\] are not supported .* handing {held}"):
         check_model_prefill(families.build_tiny_model(model_type), {"pixel_values": torch.zeros(1, 3, 8, 8)})
+    # a prompt that attends both ways needs that prefill for every prompt: such a model is refused as a whole
+    config = families.tiny_config(model_type)
+    config.get_text_config().use_bidirectional_attention = True
+    with pytest.raises(ValueError, match=rf"its prompt attends both ways \(use_bidirectional_attention\), and handing {held}"):
+        check_architecture(families.build_tiny_model(model_type, config=config))
 
 
 # --- image-text-to-text: the model's own forward prefills, the loop speculates on the text ------------

@@ -56,7 +56,7 @@ from .paged_attention import (
     use_paged_attention,
 )
 from .paged_cache import PagedKVCache, UnsupportedMaskError, UnsupportedModelError, layer_attention
-from .prefill import prefill_with_model, prompt_attends_both_ways
+from .prefill import model_prefill_problem, prefill_with_model, prompt_attends_both_ways
 
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PADDED_BATCH_PROBLEMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reason
@@ -163,6 +163,8 @@ def _static_reason(model: PreTrainedModel, config, text) -> str:
     if not type(model)._supports_default_dynamic_cache():
         return "it keeps its own cache class instead of transformers' Cache layers"
     layer_attention(config)  # recurrent / linear-attention / other layer kinds: raises with the layer named
+    if prompt_attends_both_ways(model) and model_prefill_problem(model):  # every prompt needs the model's own prefill
+        return f"its prompt attends both ways (use_bidirectional_attention), and {model_prefill_problem(model)}"
     return ""
 
 

@@ -72,20 +72,23 @@ def both_ways_prompt_problem(model: PreTrainedModel, prompt_length: int) -> str:
 
 def check_model_prefill(model: PreTrainedModel, inputs: dict) -> None:
     """ValueError naming the input and the reason when the model's own prefill cannot hand over to the loop."""
-    if runs_own_attention(model):
+    problem = model_prefill_problem(model)
+    if problem:
         raise ValueError(
-            f"model inputs {sorted(inputs)} are not supported for model_type={model.config.get_text_config().model_type!r}: "
-            "it runs on its own attention and cache, one row per forward, and its own prefill of a batch is not "
-            "handed over to that"
+            f"model inputs {sorted(inputs)} are not supported for model_type="
+            f"{model.config.get_text_config().model_type!r}: {problem}"
         )
+
+
+def model_prefill_problem(model: PreTrainedModel) -> str:
+    """Why the model's own prefill cannot hand over to the loop ('' when it can)."""
+    if runs_own_attention(model):
+        return "it runs on its own attention and cache, one row per forward, and its own prefill of a batch is not handed over to that"
     kinds = [kind for kind, _ in layer_attention(model.config)]
     for held, what in (("recurrent", "a hybrid model's recurrent state"), ("indexed", "a sparse indexer's keys")):
         if any(kind.startswith(held) for kind in kinds):
-            raise ValueError(
-                f"model inputs {sorted(inputs)} are not supported for model_type="
-                f"{model.config.get_text_config().model_type!r}: handing {what} from its own prefill to the "
-                "speculative loop is not built"
-            )
+            return f"handing {what} from its own prefill to the speculative loop is not built"
+    return ""
 
 
 class PrefilledRows(NamedTuple):
