@@ -284,6 +284,16 @@ def test_options_the_loop_would_ignore_are_refused(enabled_llama, options, messa
         enabled_llama.generate(**repeated_span_batch(1), max_new_tokens=4, speculative_config=ngram_config(), **options)
 
 
+@pytest.mark.parametrize("bad", ["longer", "float", "3-D"])
+def test_position_ids_of_the_wrong_shape_or_type_are_refused(enabled_llama, bad):
+    inputs = repeated_span_batch(1)
+    width = inputs["input_ids"].shape[1]
+    positions = {"longer": torch.arange(width + 2)[None], "float": torch.arange(width)[None] * 1.0,
+                 "3-D": torch.arange(width)[None, None]}[bad]  # fmt: skip
+    with pytest.raises(ValueError, match=rf"position_ids must be integers of shape \[1, {width}\]"):
+        enabled_llama.generate(**inputs, position_ids=positions, max_new_tokens=4, speculative_config=ngram_config())
+
+
 def test_token_healing_refused_with_what_to_do(enabled_llama):
     with pytest.raises(ValueError, match=r"token_healing is not supported .* model.heal_tokens\(input_ids, tokenizer\)"):
         enabled_llama.generate(**repeated_span_batch(1), max_new_tokens=4, token_healing=True, speculative_config=ngram_config())

@@ -60,7 +60,9 @@ def generate(
     stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
     stop_checker = StopChecker(stopping_criteria)
     max_length = stop_checker.max_length or generation_config.max_length
-    _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, max_length)
+    given_positions = _check_request(
+        model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, max_length
+    )
     streamer = speculative_streamer or streamer
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("streamer is supported at batch size 1 only (as transformers' streamers)")
@@ -88,7 +90,7 @@ def generate(
     prefill_inputs = _prefill_inputs(model_kwargs)
     try:
         # images and the like, or positions of the caller's choosing: the model's own forward prefills
-        if prefill_inputs or prompt_attends_both_ways(model) or _given_positions(model, input_ids, model_kwargs):
+        if prefill_inputs or prompt_attends_both_ways(model) or given_positions:
             attention_mask = model_kwargs.get("attention_mask")
             with torch.no_grad():
                 state.num_cached[:], state.position_offsets[:] = prefill_with_model(
@@ -144,12 +146,17 @@ def _given_positions(model, input_ids: torch.Tensor, model_kwargs: dict) -> bool
     own = model._prepare_position_ids_for_generation(
         input_ids, {"attention_mask": model_kwargs.get("attention_mask"), **_prefill_inputs(model_kwargs)}
     ).to(given.device)
-    if own.ndim != given.ndim or any(o not in (g, 1) for o, g in zip(own.shape, given.shape)):
-        return True
+    shape = (*own.shape[:-2], input_ids.shape[0], input_ids.shape[1])
+    if tuple(given.shape) != shape or given.is_floating_point() or given.is_complex():
+        raise ValueError(
+            f"position_ids must be integers of shape {list(shape)} (as generate() computes them for input_ids), "
+            f"got {given.dtype} of shape {list(given.shape)}"
+        )
     return not torch.equal(own.expand_as(given), given)
 
 
-def _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, max_length) -> None:
+def _check_request(model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, max_length) -> bool:
+    """ValueError naming what cannot run exactly; returns whether the caller gave positions of its own."""
     if generation_config.num_beams != 1:
         raise ValueError(f"num_beams={generation_config.num_beams} is not supported with speculative decoding; allowed: 1")
     for option in ASSISTED_OPTIONS:
@@ -170,7 +177,8 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
     check_supported_processors(logits_processor)
     check_architecture(model)  # it may run a small probe forward, once per model
     prefill_inputs = _prefill_inputs(model_kwargs)  # after it: whether the model runs on its own attention is its verdict
-    if _given_positions(model, input_ids, model_kwargs):
+    given_positions = _given_positions(model, input_ids, model_kwargs)
+    if given_positions:
         prefill_inputs["position_ids"] = model_kwargs["position_ids"]
     if prefill_inputs:
         check_model_prefill(model, prefill_inputs)
@@ -190,6 +198,7 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
             "so: 0.39-0.53x plain at batch 8, 1.5-1.6x at batch 1; docs/architectures.md)",
             stacklevel=4,
         )
+    return given_positions
 
 
 def _initial_state(input_ids, attention_mask, generation_config, max_length: int) -> DecodeState:
