@@ -11,7 +11,7 @@ requests that come and go: `hf_specdec.SpeculativeEngine` (`hf-specdec serve` pu
 from .cache.paged_cache import CacheExhaustedError, PagedKVCache
 from .config import SpeculativeConfig
 from .heads.eagle_heads import EagleHead, load_eagle_head
-from .loop.decoding import SpeculativeGenerateOutput, generate
+from .loop.decoding import SpeculativeGenerateEncoderDecoderOutput, SpeculativeGenerateOutput, generate
 from .loop.engine import RequestOutput, SpeculativeEngine
 from .loop.integration import disable, enable
 from .loop.metrics import SpecDecodeMetrics
@@ -25,6 +25,7 @@ __all__ = [
     "SpecDecodeMetrics",
     "SpeculativeEngine",
     "SpeculativeConfig",
+    "SpeculativeGenerateEncoderDecoderOutput",
     "SpeculativeGenerateOutput",
     "disable",
     "enable",

@@ -36,6 +36,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
 )
 
 VOCAB_SIZE = 128
@@ -519,7 +521,7 @@ _INIT_SCALE: dict[str, float] = {
 _UNTIE = {
     "biogpt", "bloom", "camembert", "cohere", "ctrl", "gemma2", "gemma3", "gemma3_text", "gemma3n_text",
     "gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text", "lfm2", "openai-gpt", "plbart",
-    "recurrent_gemma", "roformer", "vaultgemma", "xglm", "xlm-roberta", "xlm-roberta-xl",
+    "recurrent_gemma", "roformer", "t5gemma2", "vaultgemma", "xglm", "xlm-roberta", "xlm-roberta-xl",
 }
 # fmt: on
 
@@ -650,6 +652,60 @@ def image_text_to_text_families() -> list[str]:
     """Every model type transformers maps to an image-text-to-text class but not to a causal LM one
     (Llava, Qwen2.5-VL, ...: `serve` loads them with AutoModelForImageTextToText), sorted."""
     return sorted(set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+
+
+def encoder_decoder_families() -> list[str]:
+    """Every model type transformers maps to a sequence-to-sequence or speech-to-text class whose config is an
+    encoder-decoder one (BART, T5, Whisper...; audio LMs in those mappings are decoder-only), sorted."""
+    return sorted(
+        model_type
+        for model_type in {**MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, **MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES}
+        if model_type in CONFIG_MAPPING and getattr(_make(CONFIG_MAPPING[model_type], {}), "is_encoder_decoder", False)
+    )
+
+
+def encoder_decoder_class(model_type: str) -> type[PreTrainedModel]:
+    """The sequence-to-sequence (or else speech-to-text) class transformers maps `model_type` to."""
+    name = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES[model_type]
+    return getattr(transformers, name)
+
+
+# families that pair any encoder with any decoder: (encoder, decoder) model types of their tiny models
+_COMPOSED_ENCODER_DECODERS = {"encoder-decoder": ("bert", "bert"), "speech-encoder-decoder": ("wav2vec2", "bert")}
+
+
+def tiny_config_of(model_type: str, **overrides: Any) -> PreTrainedConfig:
+    """The tiny sizes on `model_type`'s own config class (encoders such as ViT too), `overrides` on top."""
+    return _tiny_config(CONFIG_MAPPING[model_type], overrides, DEFAULT_INIT_SCALE)
+
+
+def tiny_encoder_decoder_config(model_type: str, init_scale: float | None = None) -> PreTrainedConfig:
+    """The tiny config `build_tiny_encoder_decoder` uses for `model_type`."""
+    scale = _INIT_SCALE.get(model_type, DEFAULT_INIT_SCALE) if init_scale is None else init_scale
+    if model_type in _COMPOSED_ENCODER_DECODERS:  # as from_encoder_decoder_pretrained builds them (decoder cross-attends)
+        encoder, decoder = (_tiny_config(CONFIG_MAPPING[name], {}, scale) for name in _COMPOSED_ENCODER_DECODERS[model_type])
+        return CONFIG_MAPPING[model_type].from_encoder_decoder_configs(encoder, decoder)
+    # untied: a tiny random decoder whose output embedding is its input one mostly repeats its last token
+    config = _tiny_config(CONFIG_MAPPING[model_type], dict(_OVERRIDES.get(model_type, {})), scale)
+    config.tie_word_embeddings = False
+    return config
+
+
+def build_tiny_encoder_decoder(model_type: str, seed: int = 0, config: PreTrainedConfig | None = None) -> PreTrainedModel:
+    """`build_tiny_model` for an encoder-decoder family (`encoder_decoder_families`): its tiny config (or `config`),
+    fp32, eval mode, the same special ids (decoder start: bos), family processors off."""
+    config = config or tiny_encoder_decoder_config(model_type)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = encoder_decoder_class(model_type)(config).to(torch.float32).eval()
+    gen = model.generation_config
+    gen.pad_token_id, gen.eos_token_id, gen.bos_token_id = PAD_TOKEN_ID, EOS_TOKEN_ID, BOS_TOKEN_ID
+    gen.decoder_start_token_id = BOS_TOKEN_ID
+    for name in _PROCESSOR_SETTINGS:
+        if getattr(gen, name, None) is not None:
+            setattr(gen, name, None)
+    return model
 
 
 def model_class(model_type: str) -> type[PreTrainedModel]:

@@ -125,8 +125,10 @@ def test_a_batch_whose_left_padding_the_model_sees_differs(monkeypatch):
     plain = plain_generate(model, **inputs, max_new_tokens=30, do_sample=False)
     out = speculate(model, inputs, 30, method="ngram", num_speculative_tokens=4)
     assert torch.equal(out.sequences, plain) and 0 < out.spec_metrics["num_accepted_tokens"]
-    def unmasked(self) -> dict:
-        return {"cache": self.batch_cache, "attention_mask": torch.ones_like(self._mask)}
+    model_inputs = BatchedOwnAttentionCache.model_inputs
+
+    def unmasked(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        return {**model_inputs(self, input_ids, position_ids), "attention_mask": torch.ones_like(self._mask)}
 
     monkeypatch.setattr(BatchedOwnAttentionCache, "model_inputs", unmasked)
     out = speculate(model, inputs, 30, method="ngram", num_speculative_tokens=4)

@@ -21,7 +21,9 @@ model's own attention and cache (`own_attention.py`), one row per forward, then,
 cache layers are all plain, batched; a model that passes runs that way. A model whose padded rows
 plain `generate()` itself reads differently from the rows alone (positions counted from the cache,
 GIT's mask) is supported for unpadded batches only: `padded_batch_problem` gives the reason, and
-`generate()` refuses a left-padded batch with it.
+`generate()` refuses a left-padded batch with it. An encoder-decoder model's decoder skips the paged
+probe: it runs on its own attention, each row over its own encoder output (`EncoderDecoderRowCache`),
+checked by the same probe over an encoder output for a random source (`_probe_encoder_inputs`).
 
 A bfloat16 / float16 model is probed on float32 copies of its weights (`_float32_copies`): the logits checks
 compare to a tolerance its rounding would exceed. The verdict is kept per model object, so the probe runs once.
@@ -38,14 +40,18 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 from transformers import LogitsProcessor, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils.generic import TransformersKwargs
 
 from .forward import forward_tokens
 from .own_attention import (
     BatchedOwnAttentionCache,
+    EncoderDecoderRowCache,
     OwnAttentionCache,
     RowOwnAttentionCache,
     batches_plainly,
+    encoder_input_name,
+    encoder_row,
     generate_passes_position_ids,
     mark_own_attention,
 )
@@ -113,6 +119,12 @@ def _verdict(model: PreTrainedModel) -> str:
     if not problem:
         # the probes' logits checks run in float32, whatever the model's precision; no other thread runs it meanwhile
         with held_by_this_thread(model), _in_float32(copies):
+            if config.is_encoder_decoder:  # its decoder runs on its own attention (cross-attention: `EncoderDecoderRowCache`)
+                problem = _checked(_own_attention_problem, model, "its decoder does not run on its own cache")
+                if not problem:
+                    mark_own_attention(model)
+                    return ""
+                return f"model_type={model_type!r} is not supported: {problem}"
             try:
                 problem = _checked(_probe, model, "its forward does not run on the paged KV cache")
             except _NoFallback as error:
@@ -154,9 +166,9 @@ def _checked(probe: Callable[[PreTrainedModel], str], model: PreTrainedModel, fa
 
 def _static_reason(model: PreTrainedModel, config, text) -> str:
     """What the configuration and class say, most telling reason first; '' when nothing rules the model out."""
-    if getattr(config, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
-        return "encoder-decoder models are not supported (decoder-only causal LMs only)"
-    if getattr(text, "add_cross_attention", False):
+    if getattr(text, "is_encoder_decoder", False) and not getattr(config, "is_encoder_decoder", False):
+        return "its text model is an encoder-decoder inside a model that is not (generate() runs no encoder for it)"
+    if getattr(text, "add_cross_attention", False) and not config.is_encoder_decoder:
         return "its layers cross-attend to encoder states (add_cross_attention)"
     if not model.can_generate():
         return f"{type(model).__name__} cannot generate (not a causal LM with a generation head)"
@@ -450,15 +462,19 @@ def _probe_forward(
 
 def _logits_problem(
     model: PreTrainedModel, rows: list[torch.Tensor], fed_logits: list[list[torch.Tensor]], where: str,
-    prompt_lens: Sequence[int] | None = None,
+    prompt_lens: Sequence[int] | None = None, encoder_inputs: Sequence[dict] = (),
 ) -> str:  # fmt: skip
     """'' when each row's logits fed in pieces `where` equal the model's own forward over the row (float32;
     other dtypes are not compared: rounding, not structure), or with `prompt_lens`, plain generate()'s
-    logits from each row's prompt on (`_generated_logits`)."""
+    logits from each row's prompt on (`_generated_logits`). `encoder_inputs`: each row's, for an encoder-decoder
+    model's decoder."""
     if next(model.parameters()).dtype != torch.float32:
         return ""
     for row, tokens in enumerate(rows):
-        if prompt_lens is None:
+        if encoder_inputs:
+            own = model(decoder_input_ids=tokens[None].to(model.device), **encoder_inputs[row], use_cache=False)
+            own = own.logits[0].float().cpu()
+        elif prompt_lens is None:
             own = _own_forward_logits(model, tokens)
         else:
             own = _generated_logits(model, tokens[: prompt_lens[row]], tokens[prompt_lens[row] :])
@@ -471,6 +487,54 @@ def _logits_problem(
                 f"something {where} does not reproduce"
             )
     return ""
+
+
+def _probe_encoder_inputs(model: PreTrainedModel) -> list[dict]:
+    """For an encoder-decoder model, what its decoder reads of each probe row's source ([] for other models):
+    its encoder's output (some decoders read more of it than the states: a downsampled mask, router logits)
+    over a random source of two rows, the second one's end masked out as padding (`_probe_sources`)."""
+    if not model.config.is_encoder_decoder:
+        return []
+    encoder = model.get_encoder()
+    outputs = mask = None
+    for source, mask in _probe_sources(model, encoder):
+        try:
+            with torch.no_grad():
+                outputs = encoder(**{encoder_input_name(model): source.to(model.device), "attention_mask": mask.to(model.device)})
+            break
+        except (RuntimeError, ValueError, IndexError):  # a spectrogram layout the encoder does not take: the next
+            continue
+    if outputs is None:  # no layout fits: random states, which is all most decoders read
+        encoder_config = getattr(encoder, "config", model.config).get_text_config(encoder=True)
+        hidden_size = getattr(encoder_config, "d_model", None) or encoder_config.hidden_size
+        states = torch.randn((2, 6, hidden_size), generator=torch.Generator().manual_seed(1))
+        outputs, mask = BaseModelOutput(last_hidden_state=states.to(model.device, model.dtype)), torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
+    mask = mask.to(model.device)
+    return [{"encoder_outputs": encoder_row(outputs, row, 2), "attention_mask": mask[row : row + 1]} for row in range(2)]
+
+
+def _probe_sources(model: PreTrainedModel, encoder: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random sources of two rows for the encoder's main input, with its attention mask (the second row's last
+    half padding): tokens, audio samples, or spectrograms in the layouts encoders take ([mel bins, frames] as
+    Whisper, which wants its full 30 s of frames, or [frames, features])."""
+    generator = torch.Generator().manual_seed(1)
+    name, config = encoder_input_name(model), getattr(encoder, "config", model.config)  # (FSMT's encoder: no config)
+
+    def padded(length: int) -> torch.Tensor:
+        return torch.tensor([[1] * length, [1] * (length // 2) + [0] * (length - length // 2)])
+
+    if name == "input_ids":  # (FSMT's encoder has no get_input_embeddings)
+        vocab = (getattr(encoder, "embed_tokens", None) or encoder.get_input_embeddings()).num_embeddings
+        return [(torch.randint(3, vocab, (2, 6), generator=generator), padded(6))]
+    if name == "input_values":
+        return [(torch.randn((2, 2400), generator=generator), padded(2400))]
+    channels = getattr(config, "input_feat_per_channel", 0) * getattr(config, "input_channels", 1)
+    features = getattr(config, "num_mel_bins", None) or channels or getattr(config, "feature_size", None) or 80
+    frames = 2 * getattr(config, "max_source_positions", 48)
+    return [
+        (torch.randn((2, features, frames), generator=generator), padded(frames)),
+        (torch.randn((2, frames, features), generator=generator), padded(frames)),
+    ]
 
 
 def _own_forward_logits(model: PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
@@ -550,12 +614,19 @@ def _padded_generate_problem(model: PreTrainedModel, steps: int = 3) -> str:
 def _own_attention_problem(model: PreTrainedModel, cache_class: type[OwnAttentionCache] = RowOwnAttentionCache) -> str:
     """The probe on the model's own attention: a `DynamicCache` per row (`RowOwnAttentionCache`, one row per
     forward) or one for the batch (`BatchedOwnAttentionCache`). The same two forwards, then row 0 rolled
-    back by one token and that token fed again, must give the model's own forward's logits; '' when they do."""
+    back by one token and that token fed again, must give the model's own forward's logits; '' when they do.
+    An encoder-decoder model's decoder runs on `EncoderDecoderRowCache`, each row on encoder states of its own
+    (`_probe_encoder_inputs`)."""
     rows = _probe_rows(model)
+    encoder_inputs = _probe_encoder_inputs(model)
+    if encoder_inputs:
+        cache_class = EncoderDecoderRowCache
     cache = cache_class(
         model, max_rollback=2, num_layers=model.config.get_text_config().num_hidden_layers, num_blocks=8, block_size=4,
         device=model.device,
     )  # fmt: skip
+    for row, inputs in enumerate(encoder_inputs):
+        cache.set_encoder_states(row, inputs["encoder_outputs"], inputs["attention_mask"])
     fed_logits: list[list[torch.Tensor]] = [[], []]
     with _probing(model):
         for step in range(2):
@@ -568,7 +639,7 @@ def _own_attention_problem(model: PreTrainedModel, cache_class: type[OwnAttentio
             model, cache, [0], [1], rows[0][-1:].to(model.device), torch.tensor([length - 1], device=model.device),
             np.arange(1),
         ).float().cpu()  # fmt: skip
-        problem = _logits_problem(model, rows, fed_logits, "on its own cache")
+        problem = _logits_problem(model, rows, fed_logits, "on its own cache", encoder_inputs=encoder_inputs)
         if problem or next(model.parameters()).dtype != torch.float32:
             return problem
         error = float((again[0] - fed_logits[0][-1][-1]).abs().max())

@@ -81,7 +81,7 @@ def forward_tokens(
         if cache.batch_layout is not None:  # a batch on the model's own cache (own_attention.py)
             return _batched_forward(model, cache, input_ids[tokens], position_ids[tokens], kept, selects)
         logits_to_keep = to_device([kept], input_ids.device)[0]
-        inputs = {"input_ids": input_ids[None, tokens], "position_ids": position_ids[None, tokens], **cache.model_inputs()}
+        inputs = cache.model_inputs(input_ids[None, tokens], position_ids[None, tokens])
         with timed_forward(input_ids.device):
             if selects:
                 return model(**inputs, use_cache=True, logits_to_keep=logits_to_keep).logits[0]
@@ -98,7 +98,7 @@ def _batched_forward(
     layout = cache.batch_layout
     needed, picked = np.unique(layout.columns[kept], return_inverse=True)
     logits_to_keep, rows, picked = to_device([needed, layout.slots[kept], picked], input_ids.device)
-    inputs = {"input_ids": layout.scatter(input_ids), "position_ids": layout.scatter(position_ids), **cache.model_inputs()}
+    inputs = cache.model_inputs(layout.scatter(input_ids), layout.scatter(position_ids))
     with timed_forward(input_ids.device), tokens_at((layout.batch_size, layout.width), layout.positions):
         if selects:
             logits = model(**inputs, use_cache=True, logits_to_keep=logits_to_keep).logits

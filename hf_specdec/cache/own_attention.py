@@ -29,10 +29,12 @@ import copy
 import dataclasses
 import inspect
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.utils import ModelOutput
 
 from ..transfer import to_device
 from .paged_cache import PagedAttentionMetadata, PagedKVCache
@@ -63,7 +65,10 @@ def mark_own_attention(model: torch.nn.Module, batched: bool = False) -> None:
 
 def own_attention_cache(model: torch.nn.Module, max_rollback: int, **kwargs) -> OwnAttentionCache:
     """The cache a model marked by `mark_own_attention` runs on (`kwargs`: `PagedKVCache`'s)."""
-    cache_class = RowOwnAttentionCache if runs_one_row_per_forward(model) else BatchedOwnAttentionCache
+    if model.config.is_encoder_decoder:
+        cache_class = EncoderDecoderRowCache
+    else:
+        cache_class = RowOwnAttentionCache if runs_one_row_per_forward(model) else BatchedOwnAttentionCache
     return cache_class(model, max_rollback, **kwargs)
 
 
@@ -100,8 +105,10 @@ class OwnAttentionCache(PagedKVCache):
         # a recurrent layer keeps the states of a forward's last `max_rollback + 1` tokens (the model hands them)
         records_states = any(hasattr(layer, "recurrent_states_history") for layer in self._empty_cache.layers)
         self._rollback_reach = max_rollback if records_states else None
-        # the model counts a row's positions itself where plain generate() leaves them to it
-        self._own_positions = {} if generate_passes_position_ids(model) else {"position_ids": None}
+        # the model counts a row's positions itself where plain generate() leaves them to it (an encoder-decoder
+        # model's decoder always: generate() computes no positions for those)
+        passes_positions = not model.config.is_encoder_decoder and generate_passes_position_ids(model)
+        self._own_positions = {} if passes_positions else {"position_ids": None}
 
     @property
     def rollback_reach(self) -> int | None:
@@ -165,14 +172,20 @@ class RowOwnAttentionCache(OwnAttentionCache):
         self._active_row = row
         return super().prepare_forward(rows, num_new_tokens)
 
-    def model_inputs(self) -> dict:
+    def model_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """The row's own cache, and the attention mask plain generate() hands the model (no padding in a row alone);
         no position ids where plain generate() hands none."""
+        row = self._prepared_row()
+        mask = torch.ones((1, self.seq_lens[row]), dtype=torch.long, device=self.device)
+        return {
+            "input_ids": input_ids, "position_ids": position_ids, "cache": self.row_caches[row], "attention_mask": mask,
+            **self._own_positions,
+        }  # fmt: skip
+
+    def _prepared_row(self) -> int:
         if self._active_row is None:
             raise RuntimeError("OwnAttentionCache: prepare_forward a row before the forward")
-        length = self.seq_lens[self._active_row]
-        mask = torch.ones((1, length), dtype=torch.long, device=self.device)
-        return {"cache": self.row_caches[self._active_row], "attention_mask": mask, **self._own_positions}
+        return self._active_row
 
     def rollback(self, row: int, num_tokens: int) -> None:
         """As `PagedKVCache.rollback`; the row's own layers are cropped at its next forward. The loop never
@@ -187,6 +200,62 @@ class RowOwnAttentionCache(OwnAttentionCache):
         if self._active_row == row:
             self._active_row = None
 
+
+class EncoderDecoderRowCache(RowOwnAttentionCache):
+    """An encoder-decoder model's decoder (BART, T5, Marian, Whisper...), one row per forward. Each row's
+    self-attention cache is `RowOwnAttentionCache`'s; its cross-attention keys and values, which the row's first
+    forward computes from its encoder states and no rollback touches, sit in a `DynamicCache` of their own, the
+    two handed over as the `EncoderDecoderCache` plain generate() builds. Every forward gets the row's encoder
+    states and the encoder's attention mask (`set_encoder_states`), and its decoder positions count from the
+    cache, as in plain generate() (which hands such a decoder no positions)."""
+
+    def __init__(self, model: torch.nn.Module, max_rollback: int, **kwargs):
+        super().__init__(model, max_rollback, **kwargs)
+        # no config: a layer that slides over its own keys attends to every encoder state (as transformers'
+        # encoder-decoders build their cross-attention caches)
+        self._empty_cross_cache = DynamicCache()
+        self._encoder_states: dict[int, tuple[Any, torch.Tensor | None]] = {}
+        self._cross_caches: dict[int, DynamicCache] = {}
+
+    def set_encoder_states(self, row: int, encoder_outputs: Any, attention_mask: torch.Tensor | None) -> None:
+        """Row `row`'s encoder output (what the model's encoder returns, for this row alone: `encoder_row`) and the
+        encoder's attention mask over it (`[1, source length]`; None: no padding), before its first forward."""
+        self._encoder_states[row] = (encoder_outputs, attention_mask)
+        self._cross_caches[row] = copy.deepcopy(self._empty_cross_cache)
+
+    def model_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        row = self._prepared_row()
+        if row not in self._encoder_states:
+            raise RuntimeError(f"EncoderDecoderRowCache: row {row} has no encoder states (set_encoder_states)")
+        encoder_outputs, attention_mask = self._encoder_states[row]
+        return {
+            "decoder_input_ids": input_ids, "encoder_outputs": encoder_outputs, "attention_mask": attention_mask,
+            "cache": EncoderDecoderCache(self.row_caches[row], self._cross_caches[row]),
+        }  # fmt: skip
+
+    def free_row(self, row: int) -> None:
+        super().free_row(row)
+        self._encoder_states.pop(row, None)
+        self._cross_caches.pop(row, None)
+
+
+def encoder_input_name(model: torch.nn.Module) -> str:
+    """What an encoder-decoder model's encoder reads (`input_ids`, `input_features`...): its own main input, as
+    generate() names it (a speech encoder-decoder's `inputs` are its encoder's `input_values`)."""
+    return getattr(model.get_encoder(), "main_input_name", model.main_input_name)
+
+
+def encoder_row(encoder_outputs: Any, row: int, batch_size: int) -> Any:
+    """Row `row` of a batch's encoder output (a `ModelOutput`, or the tuple a caller passed): every tensor whose
+    first dimension is the batch, sliced to that row, in the same container (fields such as MoE router logits
+    or a downsampled mask, which some decoders read, come along)."""
+    if isinstance(encoder_outputs, torch.Tensor):
+        return encoder_outputs[row : row + 1] if encoder_outputs.ndim and encoder_outputs.shape[0] == batch_size else encoder_outputs
+    if isinstance(encoder_outputs, ModelOutput):
+        return type(encoder_outputs)(**{name: encoder_row(value, row, batch_size) for name, value in encoder_outputs.items()})
+    if isinstance(encoder_outputs, (tuple, list)):
+        return type(encoder_outputs)(encoder_row(value, row, batch_size) for value in encoder_outputs)
+    return encoder_outputs
 
 
 @dataclasses.dataclass
@@ -316,12 +385,15 @@ class BatchedOwnAttentionCache(OwnAttentionCache):
             index_ = source[:, None, :, None].expand(len(self.slots), states.shape[1], width, states.shape[3])
             setattr(layer, name, states.gather(2, index_))
 
-    def model_inputs(self) -> dict:
+    def model_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """The batch's cache and the attention mask of the prepared forward (left padding, each row's new tokens);
         no position ids where plain generate() hands none."""
         if self._mask is None:
             raise RuntimeError("BatchedOwnAttentionCache: prepare_forward before the forward")
-        return {"cache": self.batch_cache, "attention_mask": self._mask, **self._own_positions}
+        return {
+            "input_ids": input_ids, "position_ids": position_ids, "cache": self.batch_cache, "attention_mask": self._mask,
+            **self._own_positions,
+        }  # fmt: skip
 
     def free_row(self, row: int) -> None:
         super().free_row(row)

@@ -613,9 +613,10 @@ class PagedKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.seq_lens.values(), default=0)
 
-    def model_inputs(self) -> dict:
-        """What the model's forward takes besides its tokens: this cache (an `OwnAttentionCache` hands the row's own)."""
-        return {"cache": self}
+    def model_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """The model's forward inputs for the prepared forward's tokens `input_ids` at `position_ids` (`[1, tokens]`,
+        or laid out by row): them and this cache (an `OwnAttentionCache` hands the row's own)."""
+        return {"input_ids": input_ids, "position_ids": position_ids, "cache": self}
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("PagedKVCache rolls back per row: use rollback(row, num_tokens)")

@@ -27,11 +27,11 @@ import weakref
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
 from ..cache.architectures import check_architecture
 from ..cache.forward import forward_tokens
-from ..cache.own_attention import OwnAttentionCache
+from ..cache.own_attention import OwnAttentionCache, encoder_input_name, encoder_row
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
 from ..config import TreeSpec
@@ -126,6 +126,13 @@ def check_draft_compatible(draft: PreTrainedModel, target: PreTrainedModel) -> N
     if target in checked:
         return
     check_architecture(draft, role="speculative_config.model: the draft")
+    if draft.config.is_encoder_decoder != target.config.is_encoder_decoder:
+        kinds = {True: "an encoder-decoder model", False: "a decoder-only model"}
+        raise ValueError(
+            f"speculative_config.model: the draft is {kinds[draft.config.is_encoder_decoder]} and the target "
+            f"{kinds[target.config.is_encoder_decoder]}; an encoder-decoder target needs an encoder-decoder draft "
+            "reading the same source (and a decoder-only target a decoder-only draft)"
+        )
     problems = []
     draft_vocab, target_vocab = _vocab_size(draft), _vocab_size(target)
     if draft_vocab != target_vocab:
@@ -191,6 +198,24 @@ class DraftModelProposer:
         self.picker = DraftTokenPicker(sampling or DraftSampling(), draft_model.device)
         self.cache: PagedKVCache | None = None
         self.cached_tokens: dict[int, np.ndarray] = {}  # per row: the tokens the draft cache holds
+        # an encoder-decoder draft: each row's encoder output and mask (`encode_sources`), for its cache
+        self.encoder_states: dict[int, tuple[object, torch.Tensor | None]] = {}
+
+    def encode_sources(
+        self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, generation_config: GenerationConfig
+    ) -> None:
+        """An encoder-decoder draft's own encoder over the batch's sources (generate()'s encoder inputs, as
+        transformers' assisted generation runs its assistant's): each row's output is what its decoder reads."""
+        device = self.model.device
+        mask = None if attention_mask is None else attention_mask.to(device)
+        with torch.no_grad():
+            prepared = self.model._maybe_prepare_encoder_kwargs_for_generation(
+                inputs.to(device), {} if mask is None else {"attention_mask": mask}, encoder_input_name(self.model),
+                generation_config,
+            )  # fmt: skip
+        outputs, batch_size = prepared["encoder_outputs"], inputs.shape[0]
+        for row in range(batch_size):
+            self.encoder_states[row] = (encoder_row(outputs, row, batch_size), None if mask is None else mask[row : row + 1])
 
     def _ensure_cache(self, token_ids: list[np.ndarray]) -> PagedKVCache:
         if self.cache is None:
@@ -210,6 +235,11 @@ class DraftModelProposer:
                     "speculative_config.tree is not supported with a draft model that runs on its own attention "
                     "(it builds its own causal mask, which a tree's mask would replace)"
                 )
+            if self.model.config.is_encoder_decoder:
+                if not self.encoder_states:
+                    raise ValueError("an encoder-decoder draft model needs its sources encoded first (encode_sources)")
+                for row, (outputs, mask) in self.encoder_states.items():
+                    cache.set_encoder_states(row, outputs, mask)
             self.cache = cache
         return self.cache
 
@@ -297,6 +327,7 @@ class DraftModelProposer:
     def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
         for row in rows:
             self.cached_tokens.pop(row, None)
+            self.encoder_states.pop(row, None)
             if self.cache is not None:
                 self.cache.free_row(row)
         self.picker.release(rows)

@@ -16,22 +16,35 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import (
+    GenerateDecoderOnlyOutput,
+    GenerateEncoderDecoderOutput,
+    GenerationMixin,
+)
 
 from ..cache.architectures import check_architecture, padded_batch_problem
-from ..cache.own_attention import runs_one_row_per_forward
+from ..cache.own_attention import encoder_row, runs_one_row_per_forward
 from ..cache.prefill import check_model_prefill, prefill_with_model, prompt_attends_both_ways
 from ..config import SpeculativeConfig
+from ..drafters.draft_model import DraftModelProposer
 from ..sampling.grammar import with_speculative_grammars
 from ..sampling.logits_processing import StopChecker, check_supported_processors
 from .engine import ASSISTED_OPTIONS, ENGINE_INPUTS, SpeculativeEngine, unsupported_option
 from .metrics import SpecDecodeMetrics
-from .step import DecodeState, SamplingState
+from .step import DecodeState, SamplingState, drafters_of
 
 
 @dataclass
 class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus the metrics of this call (`SpecDecodeMetrics.to_dict()`)."""
+
+    spec_metrics: dict | None = None
+
+
+@dataclass
+class SpeculativeGenerateEncoderDecoderOutput(GenerateEncoderDecoderOutput):
+    """An encoder-decoder model's `GenerateEncoderDecoderOutput` plus the metrics of this call (None under a
+    generate() of the model's own, such as Whisper's, which splits the output by row and rebuilds it)."""
 
     spec_metrics: dict | None = None
 
@@ -46,15 +59,19 @@ def generate(
     streamer: BaseStreamer | None = None,
     speculative_config: SpeculativeConfig | dict | str | None = None,
     speculative_streamer: BaseStreamer | None = None,
+    inputs_tensor: torch.Tensor | None = None,
     **model_kwargs,
-) -> torch.LongTensor | SpeculativeGenerateOutput:
+) -> torch.LongTensor | SpeculativeGenerateOutput | SpeculativeGenerateEncoderDecoderOutput:
     """Speculative decoding, usable as `model.generate(..., custom_generate=hf_specdec.generate,
     speculative_config=...)`.
 
     transformers drops `streamer` for custom_generate callables: pass `speculative_streamer=`
-    instead (`hf_specdec.enable(model)` does that for you).
+    instead (`hf_specdec.enable(model)` does that for you). `inputs_tensor`: what generate() ran an
+    encoder-decoder model's encoder on (transformers hands it over), which an encoder-decoder draft encodes too.
     """
     config = SpeculativeConfig.from_any(speculative_config)
+    if model.config.is_encoder_decoder:
+        _check_encoder_decoder_drafter(config, inputs_tensor, model_kwargs)
     generation_config = generation_config or model.generation_config
     logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
     stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
@@ -68,7 +85,10 @@ def generate(
         raise ValueError("streamer is supported at batch size 1 only (as transformers' streamers)")
 
     logits_processor = with_speculative_grammars(logits_processor, input_ids.shape[0], input_ids.shape[1])
-    state = _initial_state(input_ids, model_kwargs.get("attention_mask"), generation_config, max_length)
+    # an encoder-decoder model's input_ids are its decoder's (one length), its attention_mask the encoder's
+    encoder_states = _encoder_states(model, model_kwargs) if model.config.is_encoder_decoder else None
+    decoder_mask = None if encoder_states is not None else model_kwargs.get("attention_mask")
+    state = _initial_state(input_ids, decoder_mask, generation_config, max_length)
     sampling = _sampling_state(generation_config, config, input_ids.shape[0], model.device)
     max_new_tokens = int(state.max_lengths.max()) - input_ids.shape[1]
     prompt_lens = state.seq_lens - state.pad_lens
@@ -86,6 +106,16 @@ def generate(
     emitted_logits: list[list[torch.Tensor]] = [[] for _ in range(input_ids.shape[0])]
     if streamer is not None and speculative_streamer is not None:
         streamer.put(input_ids.cpu())
+    if encoder_states is not None:
+        encoder_outputs, encoder_mask = encoder_states
+        for drafter in drafters_of(engine.proposer):
+            if isinstance(drafter, DraftModelProposer):
+                drafter.encode_sources(inputs_tensor, encoder_mask, generation_config)
+        for row in range(input_ids.shape[0]):
+            engine.cache.set_encoder_states(
+                row, encoder_row(encoder_outputs, row, input_ids.shape[0]),
+                None if encoder_mask is None else encoder_mask[row : row + 1],
+            )  # fmt: skip
     started = time.perf_counter()
     prefill_inputs = _prefill_inputs(model_kwargs)
     try:
@@ -118,21 +148,77 @@ def generate(
     if not generation_config.return_dict_in_generate:
         return sequences
     num_new = sequences.shape[1] - input_ids.shape[1]
-    return SpeculativeGenerateOutput(
-        sequences=sequences,
-        scores=_per_step(emitted_scores, num_new) if want_scores else None,
-        logits=_per_step(emitted_logits, num_new) if want_logits else None,
-        spec_metrics=metrics.to_dict(),
+    scores = _per_step(emitted_scores, num_new) if want_scores else None
+    logits = _per_step(emitted_logits, num_new) if want_logits else None
+    if not model.config.is_encoder_decoder:
+        return SpeculativeGenerateOutput(sequences=sequences, scores=scores, logits=logits, spec_metrics=metrics.to_dict())
+    # the metrics stay on the model (`model.spec_decode_metrics`) where the model's own generate() rebuilds this
+    own_generate = type(model).generate is not GenerationMixin.generate
+    return SpeculativeGenerateEncoderDecoderOutput(
+        sequences=sequences, scores=scores, logits=logits, spec_metrics=None if own_generate else metrics.to_dict()
     )
 
 
 def _prefill_inputs(model_kwargs: dict) -> dict:
     """Inputs besides the tokens (images as `mm_encoder_outputs`, `token_type_ids`, ...): the model's own
-    prefill consumes them (`cache/prefill.py`), as plain generate() uses them in its first step only."""
+    prefill consumes them (`cache/prefill.py`), as plain generate() uses them in its first step only. (An
+    encoder-decoder model's encoder states go to every forward of its decoder: `_encoder_states`.)"""
     return {
         k: v for k, v in model_kwargs.items()
-        if k not in ENGINE_INPUTS and v is not None and not (isinstance(v, (dict, list, tuple)) and not v)
-    }
+        if k not in ENGINE_INPUTS and k not in ENCODER_DECODER_INPUTS and v is not None
+        and not (isinstance(v, (dict, list, tuple)) and not v)
+    }  # fmt: skip
+
+
+# what generate() hands an encoder-decoder model's decoding loop besides the decoder's tokens
+ENCODER_DECODER_INPUTS = ("encoder_outputs", "decoder_attention_mask", "decoder_position_ids")
+
+
+# drafters an encoder-decoder target speculates with: lookups of its decoder's tokens, or an encoder-decoder draft
+ENCODER_DECODER_METHODS = ("ngram", "suffix", "draft_model")
+
+
+def _check_encoder_decoder_drafter(config: SpeculativeConfig, inputs_tensor: torch.Tensor | None, model_kwargs: dict) -> None:
+    """ValueError naming what an encoder-decoder target cannot speculate with: drafters reading the target's
+    hidden states (EAGLE, MTP, layer_skip: built for decoder-only models), a draft model without the encoder's
+    inputs, or draft trees (its decoder builds its own causal mask)."""
+    if config.method not in ENCODER_DECODER_METHODS:
+        raise ValueError(
+            f"speculative_config.method={config.method!r} is not supported on an encoder-decoder target; allowed: "
+            f"{', '.join(ENCODER_DECODER_METHODS)}"
+        )
+    if config.tree is not None:
+        raise ValueError("speculative_config.tree is not supported on an encoder-decoder target (its decoder builds its own causal mask)")
+    # with encoder_outputs passed instead, generate()'s inputs_tensor is a placeholder of -100s
+    no_source = inputs_tensor is None or (not inputs_tensor.is_floating_point() and bool((inputs_tensor == -100).all()))
+    if config.method == "draft_model" and (no_source or model_kwargs.get("inputs_embeds") is not None):
+        raise ValueError(
+            "speculative_config.method='draft_model' on an encoder-decoder target needs the encoder's inputs "
+            "(input_ids / input_features) passed to generate(), not encoder_outputs or inputs_embeds: the draft runs "
+            "its own encoder on them"
+        )
+
+
+def _encoder_states(model: PreTrainedModel, model_kwargs: dict) -> tuple[object, torch.Tensor | None]:
+    """An encoder-decoder model's encoder output (generate() ran the encoder, or the caller passed it) and the
+    encoder's attention mask (None: no padding), which every forward of its decoder reads; ValueError for
+    decoder inputs the loop cannot honour."""
+    for name in ("decoder_attention_mask", "decoder_position_ids"):
+        given = model_kwargs.get(name)
+        if given is None or (name == "decoder_attention_mask" and bool(given.all())):
+            continue
+        raise ValueError(
+            f"{name} is not supported with speculative decoding on an encoder-decoder model ({type(model).__name__}): "
+            "its decoder runs each row unpadded, positions counted from 0; pass decoder_input_ids of one length "
+            "without it"
+        )
+    encoder_outputs = model_kwargs.get("encoder_outputs")
+    if encoder_outputs is None:
+        raise ValueError(
+            f"encoder_outputs: {type(model).__name__} is an encoder-decoder model and generate() handed no encoder "
+            "states to the decoding loop; pass the encoder's inputs (input_ids / input_features) or encoder_outputs"
+        )
+    return encoder_outputs, model_kwargs.get("attention_mask")
 
 
 def _given_positions(model, input_ids: torch.Tensor, model_kwargs: dict) -> bool:
@@ -140,7 +226,7 @@ def _given_positions(model, input_ids: torch.Tensor, model_kwargs: dict) -> bool
     plain generate() runs the prompt at them and continues from the last one, so the model's own forward
     prefills such a prompt (`cache/prefill.py`) and the loop continues at that offset."""
     given = model_kwargs.get("position_ids")
-    if given is None:
+    if given is None or model.config.is_encoder_decoder:  # its decoder's positions: `_encoder_states`
         return False
     # without padding generate() drops the attention mask after computing them: `[1, width]` then, for every row
     own = model._prepare_position_ids_for_generation(
@@ -182,8 +268,8 @@ def _check_request(model, input_ids, generation_config, logits_processor, model_
         prefill_inputs["position_ids"] = model_kwargs["position_ids"]
     if prefill_inputs:
         check_model_prefill(model, prefill_inputs)
-    attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is not None and not bool(attention_mask.all()):
+    attention_mask = model_kwargs.get("attention_mask")  # an encoder-decoder model's: its encoder's
+    if attention_mask is not None and not bool(attention_mask.all()) and not model.config.is_encoder_decoder:
         problem = padded_batch_problem(model, max_length)
         if problem:
             raise ValueError(

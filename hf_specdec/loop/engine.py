@@ -202,6 +202,12 @@ class SpeculativeEngine:
                 "(its requests mix greedy and sampled rows); allowed: 'token'"
             )
         check_architecture(model)
+        if model.config.is_encoder_decoder:  # a request would need its source run through the encoder first
+            raise ValueError(
+                f"SpeculativeEngine: {type(model).__name__} is an encoder-decoder model, and requests carry decoder "
+                "prompts only; encoder-decoder models speculate through generate() (model.generate(input_ids / "
+                "input_features, speculative_config=...))"
+            )
         if runs_one_row_per_forward(model) and max_batch_size > 1:
             warnings.warn(
                 f"this {type(model).__name__} runs on its own attention and cache, one forward per row: with several "

@@ -302,15 +302,18 @@ def release_rows(
     proposer.release(rows, [state.tokens(r) for r in rows])
 
 
+def drafters_of(proposer) -> list:
+    """The proposer and every drafter it wraps (`NgramFirstProposer`, `LookupFirstProposer`)."""
+    found = [proposer]
+    for part in vars(proposer).values():
+        if hasattr(part, "propose"):
+            found.extend(drafters_of(part))
+    return found
+
+
 def drafter_networks(proposer) -> list[torch.nn.Module]:
     """The modules a drafter runs, those of drafters it wraps (`NgramFirstProposer`) included."""
-    found = []
-    for part in vars(proposer).values():
-        if isinstance(part, torch.nn.Module):
-            found.append(part)
-        elif hasattr(part, "propose"):
-            found.extend(drafter_networks(part))
-    return found
+    return [part for drafter in drafters_of(proposer) for part in vars(drafter).values() if isinstance(part, torch.nn.Module)]
 
 
 def _verify_positions(

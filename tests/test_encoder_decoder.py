@@ -1,0 +1,264 @@
+"""Encoder-decoder models (BART, T5, Marian, Pegasus, Whisper, Moonshine, ...): every family transformers maps to a
+sequence-to-sequence or speech-to-text class, speculated on exactly or refused.
+
+The rows come from transformers itself (`families.encoder_decoder_families`), so a new release adds rows. Each
+family's tiny random model gets a batch of two sources (the second padded, as a tokenizer or feature extractor
+pads it) and must give plain `generate()`'s tokens with the n-gram drafter and with an encoder-decoder draft
+model (the target with slightly perturbed weights, which runs its own encoder on the same sources), accepting
+and rejecting drafts; or be refused before any work with a ValueError naming its model type and the reason in
+`EXPECTED_REFUSALS`. Sampling follows plain `generate()`'s distribution (chi-square), and fails when the
+decoder reads the padding of its source.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import families
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import REFUSED_FAMILIES, SMALL_VOCAB_SIZE, plain_generate
+from test_architectures import perturbed_copy, speculate
+from test_sampling_distribution import NEW_TOKENS, PROMPT, SETTINGS, chi_square_pvalue
+
+import hf_specdec
+from hf_specdec.cache.own_attention import EncoderDecoderRowCache
+
+# model type -> the reason its refusal must give (a fragment of the ValueError)
+EXPECTED_REFUSALS = {
+    # its decoder counts positions from the tokens it is fed, not from its cache: several new tokens at once
+    # (a verify) read other positions than one at a time
+    "fsmt": "logits on its own cache differ from its own forward",
+    "prophetnet": "use_cache` is only supported for `decoder_input_ids` of length 1",
+}
+# model type -> why it cannot be tried here (transformers itself cannot build or plain-generate it from a source)
+NOT_TESTABLE = {
+    "dia": "text-to-speech over audio codebooks: plain generate() fails on text input_ids alone",
+    "pop2piano": "its own generate() wants input_features of a piano transcription processor",
+    "moonshine_streaming": "the tiny config does not build (MoonshineStreamingConfig has no num_key_value_heads)",
+}
+MAX_NEW_TOKENS = 20
+
+
+def source_inputs(model, batch: int = 2) -> dict:
+    """A batch of random sources for the model's encoder, the last row padded (its mask ends in zeros): token
+    ids with repeated spans (n-gram drafts find matches in the decoder's output only, which echoes them), audio
+    samples, or spectrogram frames."""
+    generator = torch.Generator().manual_seed(0)
+    name, config = model.main_input_name, model.config
+    if name == "input_ids":
+        span = torch.randint(families.FIRST_FREE_TOKEN_ID, families.VOCAB_SIZE, (batch, 4), generator=generator)
+        source = torch.cat([span, span, span[:, :2]], dim=1)
+        mask = torch.ones_like(source)
+        source[-1, 7:], mask[-1, 7:] = families.PAD_TOKEN_ID, 0
+        return {"input_ids": source, "attention_mask": mask}
+    if name in ("inputs", "input_values"):  # raw audio
+        mask = torch.ones((batch, 4000), dtype=torch.long)
+        mask[-1, 3000:] = 0
+        return {name: torch.randn((batch, 4000), generator=generator), "attention_mask": mask}
+    if config.model_type == "whisper":  # 30 s of log-mel frames, never padded
+        return {"input_features": torch.randn((batch, config.num_mel_bins, 2 * config.max_source_positions), generator=generator)}
+    encoder_config = model.get_encoder().config  # (Canary's Parakeet encoder has a config of its own)
+    features = getattr(encoder_config, "num_mel_bins", None) or config.input_feat_per_channel * config.input_channels
+    mask = torch.ones((batch, 80), dtype=torch.long)
+    mask[-1, 60:] = 0
+    return {"input_features": torch.randn((batch, 80, features), generator=generator), "attention_mask": mask}
+
+
+@pytest.mark.parametrize("model_type", families.encoder_decoder_families())
+def test_encoder_decoder_family_is_exact_or_refused(model_type):
+    if model_type in NOT_TESTABLE:
+        with pytest.raises(Exception):  # noqa: B017 - whatever transformers raises, the note holds
+            model = families.build_tiny_encoder_decoder(model_type)
+            plain_generate(model, **source_inputs(model), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        REFUSED_FAMILIES[model_type] = f"not testable here: {NOT_TESTABLE[model_type]}"
+        return
+    model = families.build_tiny_encoder_decoder(model_type)
+    inputs = {**source_inputs(model), "num_beams": 1}  # (FSMT's generation config asks for beams)
+    if model_type in EXPECTED_REFUSALS:
+        with pytest.raises(ValueError, match=rf"model_type='[\w-]+' is not supported: .*{EXPECTED_REFUSALS[model_type]}") as error:
+            speculate(model, inputs, MAX_NEW_TOKENS)
+        REFUSED_FAMILIES[model_type] = str(error.value).split("is not supported: ", 1)[1]
+        return
+    # as `speculate` asks (Whisper's own generate() returns its dict's sequences without the start token)
+    plain = plain_generate(model, **inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, return_dict_in_generate=True)
+    plain = plain.sequences
+    accepted = rejected = 0
+    for config in (
+        {"method": "ngram", "num_speculative_tokens": 3},
+        # a draft that mostly agrees, and one of other random weights that mostly does not
+        {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3},
+        {"method": "draft_model", "model": families.build_tiny_encoder_decoder(model_type, seed=1), "num_speculative_tokens": 2},
+    ):
+        model.__dict__.pop("spec_decode_metrics", None)  # (Whisper's own generate() rebuilds the output without them)
+        out = speculate(model, inputs, MAX_NEW_TOKENS, **config)
+        assert torch.equal(out.sequences, plain), f"{config['method']} differs from plain generate()"
+        metrics = model.spec_decode_metrics
+        accepted += metrics.num_accepted_tokens
+        rejected += metrics.num_draft_tokens - metrics.num_accepted_tokens
+    assert accepted > 0 and rejected > 0, f"accepted {accepted}, rejected {rejected}: the test proves little"
+
+
+def test_whisper_through_its_own_generate_with_a_distilled_style_assistant():
+    """Whisper's generate() (its own, which wraps transformers') with `hf_specdec.enable`, drafted by a smaller
+    Whisper (the distil-whisper pairing: fewer decoder layers, the same tokenizer) that runs its own encoder;
+    rows decoded to different lengths (an eos)."""
+    model = hf_specdec.enable(families.build_tiny_encoder_decoder("whisper"))
+    config = model.config.to_dict() | {"decoder_layers": 1}
+    draft = type(model)(type(model.config).from_dict(config)).eval()
+    draft.generation_config = model.generation_config
+    inputs = source_inputs(model, batch=3)
+    plain = plain_generate(model, **inputs, max_new_tokens=24, do_sample=False)
+    out = model.generate(
+        **inputs, max_new_tokens=24, do_sample=False,
+        speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 4},
+    )  # fmt: skip
+    assert torch.equal(out, plain)
+    assert model.spec_decode_metrics.num_draft_tokens > 0
+    with pytest.raises(ValueError, match="decoder_position_ids is not supported"):
+        model.generate(
+            **inputs, decoder_input_ids=torch.full((3, 2), families.BOS_TOKEN_ID), max_new_tokens=4,
+            decoder_position_ids=torch.tensor([[3, 4]] * 3), speculative_config={"method": "ngram"},
+        )  # fmt: skip
+
+
+def test_image_to_text_encoder_decoder():
+    """A vision encoder-decoder (a ViT encoder, a TrOCR decoder cross-attending to it: TrOCR's, Donut's layout)
+    from pixel values: the probe, which cannot make images up, checks the decoder on random encoder states."""
+    vit = families.tiny_config_of("vit", image_size=32, patch_size=8)
+    decoder = families.tiny_config("trocr")
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(vit, decoder)
+    torch.manual_seed(0)
+    model = hf_specdec.enable(transformers.VisionEncoderDecoderModel(config).eval())
+    model.config.decoder_start_token_id, model.config.pad_token_id = families.BOS_TOKEN_ID, families.PAD_TOKEN_ID
+    generation = model.generation_config
+    generation.decoder_start_token_id, generation.pad_token_id = families.BOS_TOKEN_ID, families.PAD_TOKEN_ID
+    generation.eos_token_id = families.EOS_TOKEN_ID
+    pixels = torch.randn((2, 3, 32, 32), generator=torch.Generator().manual_seed(0))
+    plain = plain_generate(model, pixel_values=pixels, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    for config in ({"method": "ngram"}, {"method": "draft_model", "model": perturbed_copy(model)}):
+        model.__dict__.pop("spec_decode_metrics", None)
+        out = model.generate(pixel_values=pixels, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, speculative_config=config)
+        assert torch.equal(out, plain), f"{config['method']} differs from plain generate()"
+    assert model.spec_decode_metrics.num_accepted_tokens > 0
+
+
+def test_suffix_scores_streamer_and_n_gram_first_on_an_encoder_decoder():
+    """What composes on an encoder-decoder target as on a decoder-only one: the suffix drafter, output_scores,
+    a streamer (batch 1: it gets the decoder's tokens), and an n-gram lookup in front of an encoder-decoder draft."""
+    model = hf_specdec.enable(families.build_tiny_encoder_decoder("bart"))
+    inputs = source_inputs(model)
+    options = dict(max_new_tokens=MAX_NEW_TOKENS, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    plain = plain_generate(model, **inputs, **options)
+    for config in (
+        {"method": "suffix", "num_speculative_tokens": 4},
+        {"method": "draft_model", "model": perturbed_copy(model), "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    ):
+        out = model.generate(**inputs, **options, speculative_config=config)
+        assert torch.equal(out.sequences, plain.sequences), config["method"]
+        assert isinstance(out, transformers.generation.utils.GenerateEncoderDecoderOutput)
+        assert out.spec_metrics["num_draft_tokens"] > 0
+        new = plain.sequences[:, 1:]  # the scores of a row's steps up to its eos (after it: plain's pad steps, our 0s)
+        alive = (new == families.EOS_TOKEN_ID).long().cumsum(dim=1) - (new == families.EOS_TOKEN_ID).long() == 0
+        for step, (ours, theirs) in enumerate(zip(out.scores, plain.scores)):
+            ours, theirs = ours[alive[:, step]], theirs[alive[:, step]]
+            finite = torch.isfinite(theirs)
+            # (fp32: a row alone, several tokens per forward, against the batch one token at a time)
+            assert torch.equal(finite, torch.isfinite(ours)) and torch.allclose(ours[finite], theirs[finite], atol=1e-3)
+    streamer = transformers.generation.streamers.BaseStreamer()
+    streamed = []
+    streamer.put, streamer.end = lambda tokens: streamed.extend(tokens.flatten().tolist()), lambda: None
+    one = {name: value[:1] for name, value in inputs.items()}
+    out = model.generate(**one, max_new_tokens=MAX_NEW_TOKENS, streamer=streamer, speculative_config={"method": "ngram"})
+    assert streamed == out[0].tolist()
+
+
+@pytest.mark.parametrize(
+    ("config", "kwargs", "message"),
+    [
+        ({"method": "layer_skip", "early_exit_layer": 1}, {}, "method='layer_skip' is not supported on an encoder-decoder"),
+        ({"method": "ngram", "tree": {"num_nodes": 6, "topk": 2}}, {}, "tree is not supported on an encoder-decoder"),
+        ({"method": "ngram"}, {"decoder_attention_mask": torch.tensor([[0, 1], [1, 1]])}, "decoder_attention_mask is not supported"),
+    ],
+)
+def test_what_an_encoder_decoder_target_cannot_take_is_refused(config, kwargs, message):
+    model = hf_specdec.enable(families.build_tiny_encoder_decoder("bart"))
+    inputs = source_inputs(model)
+    if kwargs:
+        inputs["decoder_input_ids"] = torch.full((2, 2), families.BOS_TOKEN_ID)
+    with pytest.raises(ValueError, match=message):
+        model.generate(**inputs, **kwargs, max_new_tokens=4, speculative_config=config)
+
+
+def test_draft_model_needs_the_source_and_an_encoder_decoder_draft():
+    model = hf_specdec.enable(families.build_tiny_encoder_decoder("bart"))
+    inputs = source_inputs(model)
+    with torch.no_grad():
+        encoded = model.get_encoder()(**inputs)
+    config = {"method": "draft_model", "model": perturbed_copy(model)}
+    with pytest.raises(ValueError, match="needs the encoder's inputs"):
+        model.generate(encoder_outputs=encoded, attention_mask=inputs["attention_mask"], max_new_tokens=4, speculative_config=config)
+    # the n-gram drafter reads the decoder's tokens only: encoder_outputs alone are enough
+    plain = plain_generate(model, encoder_outputs=encoded, attention_mask=inputs["attention_mask"], max_new_tokens=8)
+    ours = model.generate(encoder_outputs=encoded, attention_mask=inputs["attention_mask"], max_new_tokens=8, speculative_config={"method": "ngram"})
+    assert torch.equal(ours, plain)
+    decoder_only = families.build_tiny_model("llama")
+    with pytest.raises(ValueError, match="the draft is a decoder-only model and the target an encoder-decoder model"):
+        model.generate(**inputs, max_new_tokens=4, speculative_config={"method": "draft_model", "model": decoder_only})
+    with pytest.raises(ValueError, match="encoder-decoder models speculate through generate"):
+        hf_specdec.SpeculativeEngine(model, {"method": "ngram"})
+
+
+def test_sampling_matches_exact_distribution_and_fails_reading_the_source_padding(monkeypatch):
+    """A 16-token BART on a source padded at its end; P(3 new tokens) enumerated from plain generate()'s
+    processed scores after each decoder prefix. Broken: the decoder's cross-attention reads the padding (the
+    encoder mask dropped), which must fail the same test."""
+    config = families.tiny_encoder_decoder_config("bart", init_scale=1.0)
+    config.vocab_size = SMALL_VOCAB_SIZE
+    model = families.build_tiny_encoder_decoder("bart", config=config)
+    model.generation_config.eos_token_id = None
+    model = hf_specdec.enable(model)
+    source = torch.tensor([PROMPT + [0, 0, 0]])
+    mask = torch.tensor([[1] * len(PROMPT) + [0, 0, 0]])
+    start = families.BOS_TOKEN_ID  # the decoder's start
+    sampling = SETTINGS["temperature_topk_topp"]
+    exact = exact_decoder_distribution(model, source, mask, start, sampling)
+    assert max(exact.values()) < 0.5, "the distribution is nearly deterministic: the test would prove little"
+    draft = {"method": "draft_model", "model": perturbed_copy(model, scale=0.3), "num_speculative_tokens": 2}
+
+    def samples() -> torch.Tensor:
+        rows, out = 500, []
+        for call in range(4):
+            sequences = model.generate(
+                input_ids=source.repeat(rows, 1), attention_mask=mask.repeat(rows, 1), max_new_tokens=NEW_TOKENS,
+                do_sample=True, **sampling, speculative_config={**draft, "seed": 7 + call * rows},
+            )  # fmt: skip
+            assert model.spec_decode_metrics.num_draft_tokens > model.spec_decode_metrics.num_accepted_tokens > 0
+            out.append(sequences[:, 1:].numpy())
+        return np.concatenate(out)
+
+    assert chi_square_pvalue(samples(), exact) > 1e-3
+    set_states = EncoderDecoderRowCache.set_encoder_states
+    monkeypatch.setattr(EncoderDecoderRowCache, "set_encoder_states", lambda self, row, out, mask: set_states(self, row, out, None))
+    assert chi_square_pvalue(samples(), exact) < 1e-3
+
+
+def exact_decoder_distribution(model, source, mask, start: int, sampling: dict) -> dict[tuple[int, ...], float]:
+    """P(next 3 decoder tokens) by enumeration, from plain generate()'s processed scores after every prefix."""
+    probs = {}
+    for depth in range(NEW_TOKENS):
+        suffixes = list(itertools.product(range(SMALL_VOCAB_SIZE), repeat=depth))
+        decoder_ids = torch.tensor([[start, *suffix] for suffix in suffixes])
+        out = plain_generate(
+            model, input_ids=source.repeat(len(suffixes), 1), attention_mask=mask.repeat(len(suffixes), 1),
+            decoder_input_ids=decoder_ids, max_new_tokens=1, do_sample=True, output_scores=True,
+            return_dict_in_generate=True, **sampling,
+        )  # fmt: skip
+        for suffix, p in zip(suffixes, torch.softmax(out.scores[-1].double(), dim=-1)):
+            probs[suffix] = p
+    return {
+        triple: float(probs[()][triple[0]] * probs[triple[:1]][triple[1]] * probs[triple[:2]][triple[2]])
+        for triple in itertools.product(range(SMALL_VOCAB_SIZE), repeat=NEW_TOKENS)
+    }
