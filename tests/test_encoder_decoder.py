@@ -22,9 +22,12 @@ import transformers
 from conftest import REFUSED_FAMILIES, SMALL_VOCAB_SIZE, plain_generate
 from test_architectures import perturbed_copy, speculate
 from test_sampling_distribution import NEW_TOKENS, PROMPT, SETTINGS, chi_square_pvalue
+from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_specdec
 from hf_specdec.cache.own_attention import EncoderDecoderRowCache
+from hf_specdec.drafters.ngram import NgramProposer
+from hf_specdec.loop import decoding
 
 # model type -> the reason its refusal must give (a fragment of the ValueError)
 EXPECTED_REFUSALS = {
@@ -104,7 +107,7 @@ def test_encoder_decoder_family_is_exact_or_refused(model_type):
 def test_whisper_through_its_own_generate_with_a_distilled_style_assistant():
     """Whisper's generate() (its own, which wraps transformers') with `hf_specdec.enable`, drafted by a smaller
     Whisper (the distil-whisper pairing: fewer decoder layers, the same tokenizer) that runs its own encoder;
-    rows decoded to different lengths (an eos)."""
+    rows decoded to different lengths (an eos); with timestamps (Whisper's timestamp logits processor)."""
     model = hf_specdec.enable(families.build_tiny_encoder_decoder("whisper"))
     config = model.config.to_dict() | {"decoder_layers": 1}
     draft = type(model)(type(model.config).from_dict(config)).eval()
@@ -117,6 +120,14 @@ def test_whisper_through_its_own_generate_with_a_distilled_style_assistant():
     )  # fmt: skip
     assert torch.equal(out, plain)
     assert model.spec_decode_metrics.num_draft_tokens > 0
+    model.generation_config.no_timestamps_token_id = 100  # timestamp tokens: 101.. in the tiny vocabulary
+    model.generation_config.max_initial_timestamp_index = 5
+    plain = plain_generate(model, **inputs, max_new_tokens=24, do_sample=False, return_timestamps=True)
+    out = model.generate(
+        **inputs, max_new_tokens=24, do_sample=False, return_timestamps=True,
+        speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 4},
+    )  # fmt: skip
+    assert torch.equal(out, plain) and (plain > 100).any(), "no timestamp tokens: the test would prove little"
     with pytest.raises(ValueError, match="decoder_position_ids is not supported"):
         model.generate(
             **inputs, decoder_input_ids=torch.full((3, 2), families.BOS_TOKEN_ID), max_new_tokens=4,
@@ -173,6 +184,53 @@ def test_suffix_scores_streamer_and_n_gram_first_on_an_encoder_decoder():
     one = {name: value[:1] for name, value in inputs.items()}
     out = model.generate(**one, max_new_tokens=MAX_NEW_TOKENS, streamer=streamer, speculative_config={"method": "ngram"})
     assert streamed == out[0].tolist()
+
+
+class _CopySource(LogitsProcessor):
+    """Makes a batch-1 decoder copy `source` token by token after its start token (a summary quoting its text)."""
+
+    def __init__(self, source: list[int]):
+        self.source = source
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        forced = torch.full_like(scores, -torch.inf)
+        forced[:, self.source[min(input_ids.shape[1] - 1, len(self.source) - 1)]] = 0.0
+        return forced
+
+
+def test_n_gram_lookup_searches_the_source(monkeypatch):
+    """On an encoder-decoder model sharing one vocabulary (BART), the n-gram drafter looks the row's last tokens
+    up in its source too: a decoder made to copy its source accepts drafts from the second token on, where its
+    own tokens alone give none until a span repeats. Whisper's source is audio: nothing to look up."""
+    config = families.tiny_encoder_decoder_config("bart")
+    config.tie_word_embeddings = True  # as in BART's checkpoints: one embedding for the encoder and the decoder
+    model = hf_specdec.enable(families.build_tiny_encoder_decoder("bart", config=config))
+    source = [5, 9, 14, 22, 31, 40, 51, 60, 72, 80, 91, 99, 105, 110]
+    inputs = {"input_ids": torch.tensor([source]), "logits_processor": LogitsProcessorList([_CopySource(source)])}
+    plain = plain_generate(model, **inputs, max_new_tokens=len(source), do_sample=False)
+    assert plain[0, 1:].tolist() == source
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    accepted = []
+    for with_source in (True, False):
+        if not with_source:
+            monkeypatch.setattr(NgramProposer, "set_source", lambda self, row, tokens: None)
+        model.__dict__.pop("spec_decode_metrics", None)
+        out = model.generate(**inputs, max_new_tokens=len(source), do_sample=False, speculative_config=config)
+        assert torch.equal(out, plain)
+        accepted.append(model.spec_decode_metrics.num_accepted_tokens)
+    assert accepted[0] >= len(source) // 2 and accepted[1] == 0, accepted
+    # (a padded row's padding is not part of its source)
+    padded = decoding._source_tokens(model, torch.tensor([source + [0, 0]]), torch.tensor([[1] * len(source) + [0, 0]]))
+    assert [row.tolist() for row in padded] == [source]
+    whisper = families.build_tiny_encoder_decoder("whisper")
+    assert decoding._source_tokens(whisper, source_inputs(whisper)["input_features"], None) == []
+    # mT5's checkpoints hold one embedding that transformers loads into two tensors: equal values count as shared
+    mt5 = families.build_tiny_encoder_decoder("mt5")
+    assert decoding._source_tokens(mt5, torch.tensor([source]), None) == []  # (random: two vocabularies)
+    mt5 = families.build_tiny_encoder_decoder("mt5")
+    with torch.no_grad():
+        mt5.get_decoder().get_input_embeddings().weight.copy_(mt5.get_encoder().get_input_embeddings().weight)
+    assert [row.tolist() for row in decoding._source_tokens(mt5, torch.tensor([source]), None)] == [source]
 
 
 @pytest.mark.parametrize(

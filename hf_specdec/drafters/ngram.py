@@ -351,7 +351,9 @@ def static_child_table(static_paths: tuple[tuple[int, ...], ...]) -> np.ndarray:
 
 class NgramProposer:
     """Prompt-lookup drafts from each row's own prompt and generated tokens: a chain per row, or a
-    tree per row when `tree` is given (at most min(max_draft_tokens, tree.depth, k) deep)."""
+    tree per row when `tree` is given (at most min(max_draft_tokens, tree.depth, k) deep). A row of an
+    encoder-decoder model also looks in its source (`set_source`): there the prompt is the source, and a
+    summary or a translation copies names and phrases from it."""
 
     def __init__(
         self,
@@ -372,29 +374,40 @@ class NgramProposer:
                 else np.empty((0, 1), dtype=np.int64)
             )
             self._max_nodes = len(tree.static_paths) if tree.static_paths is not None else tree.num_nodes
+        self.sources: dict[int, np.ndarray] = {}  # per row: the source tokens searched before its own
         # compile now, not on the user's first step
         self.propose(ProposeRequest(rows=[0], token_ids=[np.zeros(64, dtype=np.int64)], max_draft_tokens=[self.k]))
+
+    def set_source(self, row: int, token_ids: np.ndarray) -> None:
+        """Row `row`'s source tokens (an encoder-decoder model's, in its decoder's vocabulary): its n-grams are
+        looked up there before its own tokens, until `release`."""
+        self.sources[row] = np.asarray(token_ids, dtype=np.int64)
+
+    def _contexts(self, request: ProposeRequest) -> tuple[np.ndarray, np.ndarray]:
+        """Every row's searched tokens (its source, if any, then its own), flat, and where each row starts."""
+        contexts = [
+            np.concatenate([self.sources[row], tokens]) if row in self.sources else tokens
+            for row, tokens in zip(request.rows, request.token_ids)
+        ]
+        lengths = np.array([len(tokens) for tokens in contexts], dtype=np.int64)
+        return np.concatenate(contexts).astype(np.int64, copy=False), np.concatenate([[0], np.cumsum(lengths)])
 
     def propose(self, request: ProposeRequest) -> DraftProposal:
         if self.tree is not None:
             return self._propose_tree(request)
-        lengths = np.array([len(tokens) for tokens in request.token_ids], dtype=np.int64)
-        row_starts = np.concatenate([[0], np.cumsum(lengths)])
-        flat_tokens = np.concatenate(request.token_ids).astype(np.int64, copy=False)
+        flat_tokens, row_starts = self._contexts(request)
         max_draft = np.minimum(np.asarray(request.max_draft_tokens, dtype=np.int64), self.k)
-        out_tokens = np.zeros((len(lengths), self.k), dtype=np.int64)
+        out_tokens = np.zeros((len(request.rows), self.k), dtype=np.int64)
         counts = propose_ngram_batch(flat_tokens, row_starts, max_draft, self.min_n, self.max_n, out_tokens)
-        return DraftProposal(draft_token_ids=[out_tokens[i, : counts[i]] for i in range(len(lengths))])
+        return DraftProposal(draft_token_ids=[out_tokens[i, : counts[i]] for i in range(len(request.rows))])
 
     def _propose_tree(self, request: ProposeRequest) -> DraftProposal:
         """One numba call for the batch; rows without a match (or max_draft 0) get empty arrays."""
         tree = self.tree.for_step(request.max_tree_nodes)
-        lengths = np.array([len(tokens) for tokens in request.token_ids], dtype=np.int64)
-        row_starts = np.concatenate([[0], np.cumsum(lengths)])
-        flat_tokens = np.concatenate(request.token_ids).astype(np.int64, copy=False)
+        flat_tokens, row_starts = self._contexts(request)
         max_depth = np.minimum(np.asarray(request.max_draft_tokens, dtype=np.int64), min(tree.depth, self.k))
-        out_tokens = np.zeros((len(lengths), self._max_nodes), dtype=np.int64)
-        out_parents = np.zeros((len(lengths), self._max_nodes), dtype=np.int64)
+        out_tokens = np.zeros((len(request.rows), self._max_nodes), dtype=np.int64)
+        out_parents = np.zeros((len(request.rows), self._max_nodes), dtype=np.int64)
         counts = propose_ngram_tree_batch(
             flat_tokens,
             row_starts,
@@ -407,11 +420,12 @@ class NgramProposer:
             out_tokens,
             out_parents,
         )
-        rows = range(len(lengths))
+        rows = range(len(request.rows))
         return DraftProposal(
             draft_token_ids=[out_tokens[i, : counts[i]] for i in rows],
             draft_parents=[out_parents[i, : counts[i]] for i in rows],
         )
 
     def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
-        pass  # stateless
+        for row in rows:
+            self.sources.pop(row, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ from ..cache.own_attention import encoder_row, runs_one_row_per_forward
 from ..cache.prefill import check_model_prefill, prefill_with_model, prompt_attends_both_ways
 from ..config import SpeculativeConfig
 from ..drafters.draft_model import DraftModelProposer
+from ..drafters.ngram import NgramProposer
 from ..sampling.grammar import with_speculative_grammars
 from ..sampling.logits_processing import StopChecker, check_supported_processors
 from .engine import ASSISTED_OPTIONS, ENGINE_INPUTS, SpeculativeEngine, unsupported_option
@@ -108,9 +110,13 @@ def generate(
         streamer.put(input_ids.cpu())
     if encoder_states is not None:
         encoder_outputs, encoder_mask = encoder_states
+        sources = _source_tokens(model, inputs_tensor, encoder_mask)
         for drafter in drafters_of(engine.proposer):
             if isinstance(drafter, DraftModelProposer):
                 drafter.encode_sources(inputs_tensor, encoder_mask, generation_config)
+            if isinstance(drafter, NgramProposer):
+                for row, source in enumerate(sources):
+                    drafter.set_source(row, source)
         for row in range(input_ids.shape[0]):
             engine.cache.set_encoder_states(
                 row, encoder_row(encoder_outputs, row, input_ids.shape[0]),
@@ -189,14 +195,41 @@ def _check_encoder_decoder_drafter(config: SpeculativeConfig, inputs_tensor: tor
         )
     if config.tree is not None:
         raise ValueError("speculative_config.tree is not supported on an encoder-decoder target (its decoder builds its own causal mask)")
-    # with encoder_outputs passed instead, generate()'s inputs_tensor is a placeholder of -100s
-    no_source = inputs_tensor is None or (not inputs_tensor.is_floating_point() and bool((inputs_tensor == -100).all()))
-    if config.method == "draft_model" and (no_source or model_kwargs.get("inputs_embeds") is not None):
+    if config.method == "draft_model" and (not _given_source(inputs_tensor) or model_kwargs.get("inputs_embeds") is not None):
         raise ValueError(
             "speculative_config.method='draft_model' on an encoder-decoder target needs the encoder's inputs "
             "(input_ids / input_features) passed to generate(), not encoder_outputs or inputs_embeds: the draft runs "
             "its own encoder on them"
         )
+
+
+# model -> whether its encoder and decoder embed tokens alike (`_source_tokens`), decided once per model object
+_SHARED_VOCABULARY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _given_source(inputs_tensor: torch.Tensor | None) -> bool:
+    """Whether generate() ran the encoder on a source (with `encoder_outputs` passed instead, its inputs_tensor
+    is a placeholder of -100s)."""
+    return inputs_tensor is not None and (inputs_tensor.is_floating_point() or not bool((inputs_tensor == -100).all()))
+
+
+def _source_tokens(model: PreTrainedModel, inputs_tensor: torch.Tensor | None, encoder_mask: torch.Tensor | None) -> list[np.ndarray]:
+    """Each row's source tokens, unpadded, where an encoder-decoder model's encoder reads tokens of its decoder's
+    vocabulary (one embedding for both: BART, T5, most Marian models), for the n-gram lookup; else []."""
+    if not _given_source(inputs_tensor) or inputs_tensor.is_floating_point() or inputs_tensor.ndim != 2:
+        return []
+    if model not in _SHARED_VOCABULARY:
+        # tied, or loaded twice from one checkpoint tensor (T5 v1.1, mT5: transformers unties them with the head)
+        embeddings = [getattr(part.get_input_embeddings(), "weight", None) for part in (model.get_encoder(), model.get_decoder())]
+        _SHARED_VOCABULARY[model] = all(isinstance(e, torch.Tensor) for e in embeddings) and (
+            embeddings[0].data_ptr() == embeddings[1].data_ptr()
+            or (embeddings[0].shape == embeddings[1].shape and bool(torch.equal(embeddings[0], embeddings[1])))
+        )
+    if not _SHARED_VOCABULARY[model]:
+        return []
+    tokens = inputs_tensor.cpu().numpy()
+    kept = np.ones(tokens.shape, dtype=bool) if encoder_mask is None else encoder_mask.cpu().numpy().astype(bool)
+    return [row[keep] for row, keep in zip(tokens, kept)]
 
 
 def _encoder_states(model: PreTrainedModel, model_kwargs: dict) -> tuple[object, torch.Tensor | None]:
