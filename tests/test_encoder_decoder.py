@@ -27,7 +27,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 import hf_specdec
 from hf_specdec.cache.own_attention import EncoderDecoderRowCache
 from hf_specdec.drafters.ngram import NgramProposer
-from hf_specdec.loop import decoding
+from hf_specdec.loop import encoder_decoder
 
 # model type -> the reason its refusal must give (a fragment of the ValueError)
 EXPECTED_REFUSALS = {
@@ -220,17 +220,17 @@ def test_n_gram_lookup_searches_the_source(monkeypatch):
         accepted.append(model.spec_decode_metrics.num_accepted_tokens)
     assert accepted[0] >= len(source) // 2 and accepted[1] == 0, accepted
     # (a padded row's padding is not part of its source)
-    padded = decoding._source_tokens(model, torch.tensor([source + [0, 0]]), torch.tensor([[1] * len(source) + [0, 0]]))
+    padded = encoder_decoder.source_tokens(model, torch.tensor([source + [0, 0]]), torch.tensor([[1] * len(source) + [0, 0]]))
     assert [row.tolist() for row in padded] == [source]
     whisper = families.build_tiny_encoder_decoder("whisper")
-    assert decoding._source_tokens(whisper, source_inputs(whisper)["input_features"], None) == []
+    assert encoder_decoder.source_tokens(whisper, source_inputs(whisper)["input_features"], None) == []
     # mT5's checkpoints hold one embedding that transformers loads into two tensors: equal values count as shared
     mt5 = families.build_tiny_encoder_decoder("mt5")
-    assert decoding._source_tokens(mt5, torch.tensor([source]), None) == []  # (random: two vocabularies)
+    assert encoder_decoder.source_tokens(mt5, torch.tensor([source]), None) == []  # (random: two vocabularies)
     mt5 = families.build_tiny_encoder_decoder("mt5")
     with torch.no_grad():
         mt5.get_decoder().get_input_embeddings().weight.copy_(mt5.get_encoder().get_input_embeddings().weight)
-    assert [row.tolist() for row in decoding._source_tokens(mt5, torch.tensor([source]), None)] == [source]
+    assert [row.tolist() for row in encoder_decoder.source_tokens(mt5, torch.tensor([source]), None)] == [source]
 
 
 @pytest.mark.parametrize(

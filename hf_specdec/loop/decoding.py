@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,16 +23,15 @@ from transformers.generation.utils import (
 )
 
 from ..cache.architectures import check_architecture, padded_batch_problem
-from ..cache.own_attention import encoder_row, runs_one_row_per_forward
+from ..cache.own_attention import runs_one_row_per_forward
 from ..cache.prefill import check_model_prefill, prefill_with_model, prompt_attends_both_ways
 from ..config import SpeculativeConfig
-from ..drafters.draft_model import DraftModelProposer
-from ..drafters.ngram import NgramProposer
 from ..sampling.grammar import with_speculative_grammars
 from ..sampling.logits_processing import StopChecker, check_supported_processors
+from .encoder_decoder import ENCODER_DECODER_INPUTS, check_encoder_decoder_request, hand_over_sources
 from .engine import ASSISTED_OPTIONS, ENGINE_INPUTS, SpeculativeEngine, unsupported_option
 from .metrics import SpecDecodeMetrics
-from .step import DecodeState, SamplingState, drafters_of
+from .step import DecodeState, SamplingState
 
 
 @dataclass
@@ -72,8 +70,9 @@ def generate(
     encoder-decoder model's encoder on (transformers hands it over), which an encoder-decoder draft encodes too.
     """
     config = SpeculativeConfig.from_any(speculative_config)
-    if model.config.is_encoder_decoder:
-        _check_encoder_decoder_drafter(config, inputs_tensor, model_kwargs)
+    encoder_decoder = model.config.is_encoder_decoder
+    if encoder_decoder:
+        check_encoder_decoder_request(model, config, inputs_tensor, model_kwargs)
     generation_config = generation_config or model.generation_config
     logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
     stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
@@ -88,9 +87,9 @@ def generate(
 
     logits_processor = with_speculative_grammars(logits_processor, input_ids.shape[0], input_ids.shape[1])
     # an encoder-decoder model's input_ids are its decoder's (one length), its attention_mask the encoder's
-    encoder_states = _encoder_states(model, model_kwargs) if model.config.is_encoder_decoder else None
-    decoder_mask = None if encoder_states is not None else model_kwargs.get("attention_mask")
-    state = _initial_state(input_ids, decoder_mask, generation_config, max_length)
+    state = _initial_state(
+        input_ids, None if encoder_decoder else model_kwargs.get("attention_mask"), generation_config, max_length
+    )
     sampling = _sampling_state(generation_config, config, input_ids.shape[0], model.device)
     max_new_tokens = int(state.max_lengths.max()) - input_ids.shape[1]
     prompt_lens = state.seq_lens - state.pad_lens
@@ -108,20 +107,8 @@ def generate(
     emitted_logits: list[list[torch.Tensor]] = [[] for _ in range(input_ids.shape[0])]
     if streamer is not None and speculative_streamer is not None:
         streamer.put(input_ids.cpu())
-    if encoder_states is not None:
-        encoder_outputs, encoder_mask = encoder_states
-        sources = _source_tokens(model, inputs_tensor, encoder_mask)
-        for drafter in drafters_of(engine.proposer):
-            if isinstance(drafter, DraftModelProposer):
-                drafter.encode_sources(inputs_tensor, encoder_mask, generation_config)
-            if isinstance(drafter, NgramProposer):
-                for row, source in enumerate(sources):
-                    drafter.set_source(row, source)
-        for row in range(input_ids.shape[0]):
-            engine.cache.set_encoder_states(
-                row, encoder_row(encoder_outputs, row, input_ids.shape[0]),
-                None if encoder_mask is None else encoder_mask[row : row + 1],
-            )  # fmt: skip
+    if encoder_decoder:
+        hand_over_sources(engine, model_kwargs, inputs_tensor, generation_config)
     started = time.perf_counter()
     prefill_inputs = _prefill_inputs(model_kwargs)
     try:
@@ -156,7 +143,7 @@ def generate(
     num_new = sequences.shape[1] - input_ids.shape[1]
     scores = _per_step(emitted_scores, num_new) if want_scores else None
     logits = _per_step(emitted_logits, num_new) if want_logits else None
-    if not model.config.is_encoder_decoder:
+    if not encoder_decoder:
         return SpeculativeGenerateOutput(sequences=sequences, scores=scores, logits=logits, spec_metrics=metrics.to_dict())
     # the metrics stay on the model (`model.spec_decode_metrics`) where the model's own generate() rebuilds this
     own_generate = type(model).generate is not GenerationMixin.generate
@@ -168,7 +155,7 @@ def generate(
 def _prefill_inputs(model_kwargs: dict) -> dict:
     """Inputs besides the tokens (images as `mm_encoder_outputs`, `token_type_ids`, ...): the model's own
     prefill consumes them (`cache/prefill.py`), as plain generate() uses them in its first step only. (An
-    encoder-decoder model's encoder states go to every forward of its decoder: `_encoder_states`.)"""
+    encoder-decoder model's encoder states go to every forward of its decoder: `encoder_decoder.py`.)"""
     return {
         k: v for k, v in model_kwargs.items()
         if k not in ENGINE_INPUTS and k not in ENCODER_DECODER_INPUTS and v is not None
@@ -176,90 +163,12 @@ def _prefill_inputs(model_kwargs: dict) -> dict:
     }  # fmt: skip
 
 
-# what generate() hands an encoder-decoder model's decoding loop besides the decoder's tokens
-ENCODER_DECODER_INPUTS = ("encoder_outputs", "decoder_attention_mask", "decoder_position_ids")
-
-
-# drafters an encoder-decoder target speculates with: lookups of its decoder's tokens, or an encoder-decoder draft
-ENCODER_DECODER_METHODS = ("ngram", "suffix", "draft_model")
-
-
-def _check_encoder_decoder_drafter(config: SpeculativeConfig, inputs_tensor: torch.Tensor | None, model_kwargs: dict) -> None:
-    """ValueError naming what an encoder-decoder target cannot speculate with: drafters reading the target's
-    hidden states (EAGLE, MTP, layer_skip: built for decoder-only models), a draft model without the encoder's
-    inputs, or draft trees (its decoder builds its own causal mask)."""
-    if config.method not in ENCODER_DECODER_METHODS:
-        raise ValueError(
-            f"speculative_config.method={config.method!r} is not supported on an encoder-decoder target; allowed: "
-            f"{', '.join(ENCODER_DECODER_METHODS)}"
-        )
-    if config.tree is not None:
-        raise ValueError("speculative_config.tree is not supported on an encoder-decoder target (its decoder builds its own causal mask)")
-    if config.method == "draft_model" and (not _given_source(inputs_tensor) or model_kwargs.get("inputs_embeds") is not None):
-        raise ValueError(
-            "speculative_config.method='draft_model' on an encoder-decoder target needs the encoder's inputs "
-            "(input_ids / input_features) passed to generate(), not encoder_outputs or inputs_embeds: the draft runs "
-            "its own encoder on them"
-        )
-
-
-# model -> whether its encoder and decoder embed tokens alike (`_source_tokens`), decided once per model object
-_SHARED_VOCABULARY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _given_source(inputs_tensor: torch.Tensor | None) -> bool:
-    """Whether generate() ran the encoder on a source (with `encoder_outputs` passed instead, its inputs_tensor
-    is a placeholder of -100s)."""
-    return inputs_tensor is not None and (inputs_tensor.is_floating_point() or not bool((inputs_tensor == -100).all()))
-
-
-def _source_tokens(model: PreTrainedModel, inputs_tensor: torch.Tensor | None, encoder_mask: torch.Tensor | None) -> list[np.ndarray]:
-    """Each row's source tokens, unpadded, where an encoder-decoder model's encoder reads tokens of its decoder's
-    vocabulary (one embedding for both: BART, T5, most Marian models), for the n-gram lookup; else []."""
-    if not _given_source(inputs_tensor) or inputs_tensor.is_floating_point() or inputs_tensor.ndim != 2:
-        return []
-    if model not in _SHARED_VOCABULARY:
-        # tied, or loaded twice from one checkpoint tensor (T5 v1.1, mT5: transformers unties them with the head)
-        embeddings = [getattr(part.get_input_embeddings(), "weight", None) for part in (model.get_encoder(), model.get_decoder())]
-        _SHARED_VOCABULARY[model] = all(isinstance(e, torch.Tensor) for e in embeddings) and (
-            embeddings[0].data_ptr() == embeddings[1].data_ptr()
-            or (embeddings[0].shape == embeddings[1].shape and bool(torch.equal(embeddings[0], embeddings[1])))
-        )
-    if not _SHARED_VOCABULARY[model]:
-        return []
-    tokens = inputs_tensor.cpu().numpy()
-    kept = np.ones(tokens.shape, dtype=bool) if encoder_mask is None else encoder_mask.cpu().numpy().astype(bool)
-    return [row[keep] for row, keep in zip(tokens, kept)]
-
-
-def _encoder_states(model: PreTrainedModel, model_kwargs: dict) -> tuple[object, torch.Tensor | None]:
-    """An encoder-decoder model's encoder output (generate() ran the encoder, or the caller passed it) and the
-    encoder's attention mask (None: no padding), which every forward of its decoder reads; ValueError for
-    decoder inputs the loop cannot honour."""
-    for name in ("decoder_attention_mask", "decoder_position_ids"):
-        given = model_kwargs.get(name)
-        if given is None or (name == "decoder_attention_mask" and bool(given.all())):
-            continue
-        raise ValueError(
-            f"{name} is not supported with speculative decoding on an encoder-decoder model ({type(model).__name__}): "
-            "its decoder runs each row unpadded, positions counted from 0; pass decoder_input_ids of one length "
-            "without it"
-        )
-    encoder_outputs = model_kwargs.get("encoder_outputs")
-    if encoder_outputs is None:
-        raise ValueError(
-            f"encoder_outputs: {type(model).__name__} is an encoder-decoder model and generate() handed no encoder "
-            "states to the decoding loop; pass the encoder's inputs (input_ids / input_features) or encoder_outputs"
-        )
-    return encoder_outputs, model_kwargs.get("attention_mask")
-
-
 def _given_positions(model, input_ids: torch.Tensor, model_kwargs: dict) -> bool:
     """Whether generate() was handed prompt positions other than the ones it computes from the attention mask:
     plain generate() runs the prompt at them and continues from the last one, so the model's own forward
     prefills such a prompt (`cache/prefill.py`) and the loop continues at that offset."""
     given = model_kwargs.get("position_ids")
-    if given is None or model.config.is_encoder_decoder:  # its decoder's positions: `_encoder_states`
+    if given is None or model.config.is_encoder_decoder:  # its decoder's positions: `encoder_decoder.py`
         return False
     # without padding generate() drops the attention mask after computing them: `[1, width]` then, for every row
     own = model._prepare_position_ids_for_generation(
