@@ -20,11 +20,11 @@ import argparse
 import json
 import platform
 import statistics
-import time
 
 import torch
 
 import hf_specdec
+from hf_specdec.bench.runner import interleaved_seconds
 from hf_specdec.cache.architectures import check_architecture
 from hf_specdec.cache.own_attention import mark_own_attention
 from hf_specdec.models.cpu_linear import _cpu_name, fast_cpu_linears
@@ -77,13 +77,7 @@ def main() -> None:
             new_tokens = args.max_new_tokens * batch_size
             arms = make_arms(paged, batched, per_row, batch, args.max_new_tokens)
             outputs = {name: arm() for name, arm in arms.items()}  # warm-up (plans, verdicts), and the tokens
-            seconds: dict[str, list[float]] = {name: [] for name in arms}
-            names = list(arms)
-            for repeat in range(args.repeats):
-                for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
-                    started = time.perf_counter()
-                    arms[name]()
-                    seconds[name].append(time.perf_counter() - started)
+            seconds = interleaved_seconds(arms, args.repeats)
             medians = {name: statistics.median(s) for name, s in seconds.items()}
             row = {
                 "prompts": prompts_name,

@@ -233,6 +233,30 @@ def test_n_gram_lookup_searches_the_source(monkeypatch):
     assert [row.tolist() for row in encoder_decoder.source_tokens(mt5, torch.tensor([source]), None)] == [source]
 
 
+def test_each_source_sampled_several_times(monkeypatch):
+    """num_return_sequences: generate() repeats each row's encoder output; the draft's source and the n-gram
+    lookup's follow (row i of the output reads source i // n), and seeded runs reproduce."""
+    config = families.tiny_encoder_decoder_config("bart")
+    config.tie_word_embeddings = True
+    model = hf_specdec.enable(families.build_tiny_encoder_decoder("bart", config=config))
+    inputs = source_inputs(model)
+    seen = {}
+    set_source = NgramProposer.set_source
+
+    def noted(self, row, tokens):
+        seen[row] = tokens.tolist()
+        set_source(self, row, tokens)
+
+    monkeypatch.setattr(NgramProposer, "set_source", noted)
+    options = dict(max_new_tokens=8, do_sample=True, num_return_sequences=3, temperature=1.5)
+    speculative = {"method": "draft_model", "model": perturbed_copy(model), "prompt_lookup_min": 1, "seed": 5}
+    first = model.generate(**inputs, **options, speculative_config=speculative)
+    again = model.generate(**inputs, **options, speculative_config=speculative)
+    assert first.shape[0] == 6 and torch.equal(first, again)
+    kept = inputs["attention_mask"].bool()
+    assert seen == {row: inputs["input_ids"][row // 3][kept[row // 3]].tolist() for row in range(6)}
+
+
 @pytest.mark.parametrize(
     ("config", "kwargs", "message"),
     [

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +84,19 @@ class ArmRuns:
         """Seconds per forward after the first (the prompt's), pooled over batches."""
         steps = sum(f - 1 for f in self.forwards)
         return sum(s - t for s, t in zip(self.seconds, self.ttft_s)) / steps if steps > 0 else None
+
+
+def interleaved_seconds(arms: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Each arm's wall times over `repeats` rounds: in each round every arm runs once, in an order rotated by one
+    from the round before, so no arm always runs first or after the same other arm (the scripts' timing)."""
+    seconds: dict[str, list[float]] = {name: [] for name in arms}
+    names = list(arms)
+    for repeat in range(repeats):
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            started = time.perf_counter()
+            arms[name]()
+            seconds[name].append(time.perf_counter() - started)
+    return seconds
 
 
 def run_benchmark(

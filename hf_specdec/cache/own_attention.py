@@ -16,6 +16,8 @@ positions in ways the packed layout does not reproduce (DiffLlama). The paged pa
 - `RowOwnAttentionCache` otherwise (sliding windows, recurrent layers, and models whose plain
   `generate()` reads a padded row differently): a `DynamicCache` per row, recording its past so that
   sliding and recurrent layers can be cropped back, one row per forward (no padding in it).
+- `EncoderDecoderRowCache` for an encoder-decoder model's decoder: `RowOwnAttentionCache`'s, plus each row's
+  encoder output and cross-attention cache.
 
 Both keep `PagedKVCache`'s block bookkeeping (block tables, lengths, the allocator), so the loop, the
 engine's admission and its KV metrics are unchanged; the pools themselves are never written. Exact:

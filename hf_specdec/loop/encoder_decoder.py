@@ -73,6 +73,8 @@ def hand_over_sources(
     target's cache, the source to an encoder-decoder draft (which encodes it) and, as tokens, to n-gram lookups."""
     encoder_outputs, encoder_mask = model_kwargs["encoder_outputs"], model_kwargs.get("attention_mask")
     batch_size = len(engine.state.finished)
+    if inputs_tensor is not None and len(inputs_tensor) != batch_size:  # num_return_sequences: each source repeated
+        inputs_tensor = inputs_tensor.repeat_interleave(batch_size // len(inputs_tensor), dim=0)
     sources = source_tokens(engine.model, inputs_tensor, encoder_mask)
     for drafter in drafters_of(engine.proposer):
         if isinstance(drafter, DraftModelProposer):

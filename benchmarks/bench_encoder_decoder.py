@@ -1,0 +1,140 @@
+"""What speculation costs and gains on encoder-decoder models (`loop/encoder_decoder.py`), at real sizes.
+
+No real encoder-decoder checkpoint reaches these machines (PyPI carries none in Hugging Face format), so the
+models are random weights shaped like BART-base (6 + 6 layers, d_model 768, vocabulary 50265) and Whisper-base
+(6 + 6 layers, d_model 512, 80 mel bins): their acceptance says nothing, their step costs do. Two workloads:
+
+- `free`: the model's own greedy output. Arms: plain `generate()`, plain with our CPU linears, ours drafting
+  nothing (`disable_by_batch_size: 1`: what the loop itself costs per step, the row's own cache and encoder
+  states included), ours with the n-gram drafter (k=4, lookup 1..3).
+- `copy` (BART only): a logits processor makes the decoder copy its source (a summary quoting its text, the
+  case the n-gram lookup of the source is for), in every arm alike; ours drafts from the source.
+
+Interleaved per batch in one process (order rotated each repeat), fp32, greedy, `--max-new-tokens` each,
+medians over `--repeats`; every arm of ours must give plain `generate()`'s tokens (checked, reported).
+
+    python benchmarks/bench_encoder_decoder.py --out benchmarks/bench_encoder_decoder.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+
+import torch
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    LogitsProcessor,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
+)
+
+import hf_specdec
+from hf_specdec.bench.runner import interleaved_seconds
+from hf_specdec.models.cpu_linear import _cpu_name, fast_cpu_linears
+
+NO_DRAFTS = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+class CopySource(LogitsProcessor):
+    """Row i of the decoder copies `sources[i]`. Its decoder prompt is the start token and the source's first
+    token, distinct per row: the loop calls processors with the rows of one prefix length, in no set order, so
+    rows are told apart by that token."""
+
+    def __init__(self, sources: torch.Tensor):
+        self.sources = sources
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows = (input_ids[:, 1:2] == self.sources[None, :, 0]).long().argmax(dim=1)
+        forced = torch.full_like(scores, -torch.inf)
+        forced[torch.arange(len(rows)), self.sources[rows, min(input_ids.shape[1] - 1, self.sources.shape[1] - 1)]] = 0.0
+        return forced
+
+
+def models() -> dict:
+    torch.manual_seed(0)
+    bart = BartForConditionalGeneration(BartConfig(forced_eos_token_id=None)).eval()
+    whisper = WhisperForConditionalGeneration(WhisperConfig(
+        d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8, decoder_attention_heads=8,
+        encoder_ffn_dim=2048, decoder_ffn_dim=2048,
+    )).eval()  # fmt: skip
+    for model in (bart, whisper):
+        generation = model.generation_config
+        generation.forced_eos_token_id = generation.begin_suppress_tokens = generation.suppress_tokens = None
+        generation.eos_token_id = None  # every arm decodes max_new_tokens
+        hf_specdec.enable(model)
+    return {"bart-base-shaped": bart, "whisper-base-shaped": whisper}
+
+
+def sources(name: str, model, batch_size: int) -> dict:
+    generator = torch.Generator().manual_seed(batch_size)
+    if name.startswith("whisper"):
+        return {"input_features": torch.randn((batch_size, 80, 3000), generator=generator)}
+    source = torch.randint(4, model.config.vocab_size, (batch_size, 200), generator=generator)
+    source[:, 0] = torch.arange(4, 4 + batch_size)  # distinct first tokens: `CopySource` tells rows apart by them
+    return {"input_ids": source}
+
+
+def arms(model, inputs: dict, options: dict, workload: str) -> dict:
+    def plain(fast: bool):
+        with torch.no_grad(), fast_cpu_linears(model) if fast else torch.no_grad():
+            return model.generate(**inputs, **options)
+
+    out = {"plain": lambda: plain(False), "plain, same CPU linears": lambda: plain(True)}
+    if workload == "free":
+        out["ours, drafting nothing"] = lambda: model.generate(**inputs, **options, speculative_config=NO_DRAFTS)
+    out["ours, n-gram"] = lambda: model.generate(**inputs, **options, speculative_config=NGRAM)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    results = []
+    for name, model in models().items():
+        for workload in ("free", "copy") if name.startswith("bart") else ("free",):
+            for batch_size in args.batch_sizes:
+                inputs = sources(name, model, batch_size)
+                options = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False)
+                if workload == "copy":
+                    start = model.generation_config.decoder_start_token_id
+                    options["decoder_input_ids"] = torch.stack([torch.full((batch_size,), start), inputs["input_ids"][:, 0]], 1)
+                    options["logits_processor"] = [CopySource(inputs["input_ids"])]
+                runs = arms(model, inputs, options, workload)
+                model.__dict__.pop("spec_decode_metrics", None)
+                outputs = {arm: run() for arm, run in runs.items()}  # warm-up (verdicts, plans), and the tokens
+                tau = model.spec_decode_metrics.mean_acceptance_length  # (the last arm: the n-gram drafter)
+                seconds = interleaved_seconds(runs, args.repeats)
+                tps = {arm: args.max_new_tokens * batch_size / statistics.median(s) for arm, s in seconds.items()}
+                ours = [arm for arm in runs if arm.startswith("ours")]
+                row = {
+                    "model": name, "workload": workload, "batch_size": batch_size, "tokens_per_second": tps,
+                    "x_plain": {arm: tps[arm] / tps["plain"] for arm in ours},
+                    "x_plain_same_linears": {arm: tps[arm] / tps["plain, same CPU linears"] for arm in ours},
+                    "ngram_tau": tau, "seconds": seconds,
+                    "identical_to_plain": {arm: bool(torch.equal(outputs[arm], outputs["plain"])) for arm in ours},
+                }  # fmt: skip
+                print(
+                    f"{name} {workload} batch {batch_size}: "
+                    + ", ".join(f"{arm} {row['x_plain'][arm]:.2f}x ({row['x_plain_same_linears'][arm]:.2f}x)" for arm in ours)
+                    + f" x plain (x same linears); n-gram tau {tau:.2f}; identical {row['identical_to_plain']}",
+                    flush=True,
+                )
+                results.append(row)
+    if args.out:
+        with open(args.out, "w") as file:
+            json.dump({"machine": _cpu_name(), "python": platform.python_version(), "args": vars(args),
+                       "results": results}, file, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
