@@ -128,6 +128,19 @@ def test_whisper_through_its_own_generate_with_a_distilled_style_assistant():
         speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 4},
     )  # fmt: skip
     assert torch.equal(out, plain) and (plain > 100).any(), "no timestamp tokens: the test would prove little"
+    # long-form: 75 s of frames (one row 51 s), which Whisper's generate() decodes 30 s at a time, each segment
+    # after the text of the one before
+    frames = 2 * model.config.max_source_positions * 5 // 2
+    mask = torch.ones((2, frames), dtype=torch.long)
+    mask[1, frames * 17 // 25 :] = 0
+    long_form = {
+        "input_features": torch.randn((2, model.config.num_mel_bins, frames), generator=torch.Generator().manual_seed(1)),
+        "attention_mask": mask, "return_timestamps": True, "condition_on_prev_tokens": True, "max_new_tokens": 20,
+        "do_sample": False,
+    }  # fmt: skip
+    plain = plain_generate(model, **long_form)
+    out = model.generate(**long_form, speculative_config={"method": "ngram"})
+    assert torch.equal(out, plain) and plain.shape[1] > 40, "one segment: the test would prove little"
     with pytest.raises(ValueError, match="decoder_position_ids is not supported"):
         model.generate(
             **inputs, decoder_input_ids=torch.full((3, 2), families.BOS_TOKEN_ID), max_new_tokens=4,
