@@ -1,13 +1,16 @@
 """What speculation costs and gains on encoder-decoder models (`loop/encoder_decoder.py`), at real sizes.
 
 No real encoder-decoder checkpoint reaches these machines (PyPI carries none in Hugging Face format), so the
-models are random weights shaped like BART-base (6 + 6 layers, d_model 768, vocabulary 50265) and Whisper-base
-(6 + 6 layers, d_model 512, 80 mel bins): their acceptance says nothing, their step costs do. Two workloads:
+models are random weights shaped like BART-base (6 + 6 layers, d_model 768, vocabulary 50265), T5-small (6 + 6
+layers, d_model 512, vocabulary 32128) and Whisper-base (6 + 6 layers, d_model 512, 80 mel bins): their
+acceptance says nothing, their step costs do. BART's decoder runs one row per forward, T5's and Whisper's every
+row in one (`EncoderDecoderBatchedCache`). Two workloads:
 
 - `free`: the model's own greedy output. Arms: plain `generate()`, plain with our CPU linears, ours drafting
   nothing (`disable_by_batch_size: 1`: what the loop itself costs per step, the row's own cache and encoder
-  states included), ours with the n-gram drafter (k=4, lookup 1..3).
-- `copy` (BART only): a logits processor makes the decoder copy its source (a summary quoting its text, the
+  states included), ours with the n-gram drafter (k=4, lookup 1..3), and for a batched decoder at batch > 1
+  the same one row per forward (what it cost before it was batched).
+- `copy` (BART and T5, whose encoders read the decoder's vocabulary): a logits processor makes the decoder copy its source (a summary quoting its text, the
   case the n-gram lookup of the source is for), in every arm alike; ours drafts from the source.
 
 Interleaved per batch in one process (order rotated each repeat), fp32, greedy, `--max-new-tokens` each,
@@ -28,12 +31,16 @@ from transformers import (
     BartConfig,
     BartForConditionalGeneration,
     LogitsProcessor,
+    T5Config,
+    T5ForConditionalGeneration,
     WhisperConfig,
     WhisperForConditionalGeneration,
 )
 
 import hf_specdec
 from hf_specdec.bench.runner import interleaved_seconds
+from hf_specdec.cache.architectures import check_architecture
+from hf_specdec.cache.own_attention import mark_own_attention, runs_one_row_per_forward
 from hf_specdec.models.cpu_linear import _cpu_name, fast_cpu_linears
 
 NO_DRAFTS = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1}
@@ -62,12 +69,15 @@ def models() -> dict:
         d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8, decoder_attention_heads=8,
         encoder_ffn_dim=2048, decoder_ffn_dim=2048,
     )).eval()  # fmt: skip
-    for model in (bart, whisper):
+    t5 = T5ForConditionalGeneration(T5Config()).eval()  # (tied embeddings: one vocabulary for encoder and decoder)
+    t5.generation_config.decoder_start_token_id = 0  # (T5's checkpoints: the padding id)
+    for model in (bart, t5, whisper):
         generation = model.generation_config
         generation.forced_eos_token_id = generation.begin_suppress_tokens = generation.suppress_tokens = None
         generation.eos_token_id = None  # every arm decodes max_new_tokens
         hf_specdec.enable(model)
-    return {"bart-base-shaped": bart, "whisper-base-shaped": whisper}
+        check_architecture(model)  # the verdict: one row per forward or batched
+    return {"bart-base-shaped": bart, "t5-small-shaped": t5, "whisper-base-shaped": whisper}
 
 
 def sources(name: str, model, batch_size: int) -> dict:
@@ -88,7 +98,19 @@ def arms(model, inputs: dict, options: dict, workload: str) -> dict:
     if workload == "free":
         out["ours, drafting nothing"] = lambda: model.generate(**inputs, **options, speculative_config=NO_DRAFTS)
     out["ours, n-gram"] = lambda: model.generate(**inputs, **options, speculative_config=NGRAM)
+    if not runs_one_row_per_forward(model) and len(next(iter(inputs.values()))) > 1:
+        out["ours, n-gram, one row per forward"] = lambda: one_row_per_forward(model, inputs, options)
     return out
+
+
+def one_row_per_forward(model, inputs: dict, options: dict) -> torch.Tensor:
+    """Ours with n-gram drafts as a decoder that cannot be batched runs (`EncoderDecoderRowCache`): the batched
+    decoder's gain, measured on the same model."""
+    mark_own_attention(model, batched=False)
+    try:
+        return model.generate(**inputs, **options, speculative_config=NGRAM)
+    finally:
+        mark_own_attention(model, batched=True)
 
 
 def main() -> None:
@@ -96,12 +118,15 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", nargs="+", default=None, help="a subset of: bart-base-shaped t5-small-shaped whisper-base-shaped")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
     results = []
     for name, model in models().items():
-        for workload in ("free", "copy") if name.startswith("bart") else ("free",):
+        if args.models and name not in args.models:
+            continue
+        for workload in ("free",) if name.startswith("whisper") else ("free", "copy"):
             for batch_size in args.batch_sizes:
                 inputs = sources(name, model, batch_size)
                 options = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False)

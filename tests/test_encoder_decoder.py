@@ -25,7 +25,12 @@ from test_sampling_distribution import NEW_TOKENS, PROMPT, SETTINGS, chi_square_
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_specdec
-from hf_specdec.cache.own_attention import EncoderDecoderRowCache
+from hf_specdec.cache.architectures import check_architecture
+from hf_specdec.cache.own_attention import (
+    EncoderDecoderBatchedCache,
+    EncoderDecoderRowCache,
+    runs_one_row_per_forward,
+)
 from hf_specdec.drafters.ngram import NgramProposer
 from hf_specdec.loop import encoder_decoder
 
@@ -102,6 +107,59 @@ def test_encoder_decoder_family_is_exact_or_refused(model_type):
         accepted += metrics.num_accepted_tokens
         rejected += metrics.num_draft_tokens - metrics.num_accepted_tokens
     assert accepted > 0 and rejected > 0, f"accepted {accepted}, rejected {rejected}: the test proves little"
+
+
+@pytest.mark.parametrize("model_type", ["t5", "whisper", "bart"])
+def test_rows_batched_where_the_decoder_reads_their_own_positions(model_type):
+    """Where the decoder reads each row's positions as handed over (Whisper's decoder_position_ids) or only their
+    differences (T5's relative bias), every row runs in one forward (`EncoderDecoderBatchedCache`): rows accept
+    different numbers of drafts (realigned between forwards) and finish at different steps (the batch shrinks
+    from its end, the slots' encoder output and cross-attention keys with it), and give plain generate()'s
+    tokens. BART's decoder numbers positions from the cache's width, which left padding shifts: one row per
+    forward."""
+    model = families.build_tiny_encoder_decoder(model_type)
+    # each row's decoder starts with a tag of its own; the processor ends row r after 15 - 3 r tokens: the last
+    # row first, so the batch shrinks from its end (Whisper's own generate() would rewrite these decoder ids)
+    decoder_ids = torch.tensor([[families.BOS_TOKEN_ID, 10 + row] for row in range(4)])
+    eos = model.generation_config.eos_token_id
+    inputs = {
+        **source_inputs(model, batch=4), "decoder_input_ids": decoder_ids, "max_new_tokens": 16, "do_sample": False,
+        "logits_processor": LogitsProcessorList([_EndRows({10 + row: 6 + 3 * (3 - row) for row in range(4)}, eos)]),
+    }  # fmt: skip
+    plain = transformers.GenerationMixin.generate(model, **inputs)
+    assert [row.tolist().index(eos) for row in plain] == [15, 12, 9, 6]
+    draft = {"method": "draft_model", "model": perturbed_copy(model, scale=0.05), "num_speculative_tokens": 3}
+    check_architecture(model)  # (its probe's forwards before the hook)
+    widths = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    out = transformers.GenerationMixin.generate(model, **inputs, custom_generate=hf_specdec.generate, speculative_config=draft)
+    hook.remove()
+    assert torch.equal(out, plain)
+    metrics = model.spec_decode_metrics
+    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
+    if model_type == "bart":
+        assert set(widths) == {1}
+    else:  # one forward for all four rows, then fewer as the last ones finish
+        assert widths[0] == 4 and widths[-1] < 4 and len(widths) < 16, widths
+
+
+class _EndRows(LogitsProcessor):
+    """Ends each row (told apart by its second decoder token) with `eos` once it holds `lengths[tag]` tokens, and
+    not before."""
+
+    def __init__(self, lengths: dict[int, int], eos: int):
+        self.lengths, self.eos = lengths, eos
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.clone()
+        for index, row in enumerate(input_ids):
+            ends = row.shape[0] >= self.lengths[int(row[1])]
+            if ends:
+                scores[index] = -torch.inf
+            scores[index, self.eos] = 0.0 if ends else -torch.inf
+        return scores
 
 
 def test_whisper_through_its_own_generate_with_a_distilled_style_assistant():
@@ -306,13 +364,14 @@ def test_draft_model_needs_the_source_and_an_encoder_decoder_draft():
         hf_specdec.SpeculativeEngine(model, {"method": "ngram"})
 
 
-def test_sampling_matches_exact_distribution_and_fails_reading_the_source_padding(monkeypatch):
-    """A 16-token BART on a source padded at its end; P(3 new tokens) enumerated from plain generate()'s
-    processed scores after each decoder prefix. Broken: the decoder's cross-attention reads the padding (the
-    encoder mask dropped), which must fail the same test."""
-    config = families.tiny_encoder_decoder_config("bart", init_scale=1.0)
+@pytest.mark.parametrize(("model_type", "cache_class"), [("bart", EncoderDecoderRowCache), ("t5", EncoderDecoderBatchedCache)])
+def test_sampling_matches_exact_distribution_and_fails_reading_the_source_padding(monkeypatch, model_type, cache_class):
+    """A 16-token BART (one row per forward) and T5 (every row in one) on a source padded at its end; P(3 new
+    tokens) enumerated from plain generate()'s processed scores after each decoder prefix. Broken: the decoder's
+    cross-attention reads the padding (the encoder mask dropped), which must fail the same test."""
+    config = families.tiny_encoder_decoder_config(model_type, init_scale=1.0)
     config.vocab_size = SMALL_VOCAB_SIZE
-    model = families.build_tiny_encoder_decoder("bart", config=config)
+    model = families.build_tiny_encoder_decoder(model_type, config=config)
     model.generation_config.eos_token_id = None
     model = hf_specdec.enable(model)
     source = torch.tensor([PROMPT + [0, 0, 0]])
@@ -335,8 +394,9 @@ def test_sampling_matches_exact_distribution_and_fails_reading_the_source_paddin
         return np.concatenate(out)
 
     assert chi_square_pvalue(samples(), exact) > 1e-3
-    set_states = EncoderDecoderRowCache.set_encoder_states
-    monkeypatch.setattr(EncoderDecoderRowCache, "set_encoder_states", lambda self, row, out, mask: set_states(self, row, out, None))
+    assert runs_one_row_per_forward(model) == (cache_class is EncoderDecoderRowCache)
+    set_states = cache_class.set_encoder_states
+    monkeypatch.setattr(cache_class, "set_encoder_states", lambda self, rows, out, mask: set_states(self, rows, out, None))
     assert chi_square_pvalue(samples(), exact) < 1e-3
 
 

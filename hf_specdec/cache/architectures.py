@@ -23,7 +23,8 @@ plain `generate()` itself reads differently from the rows alone (positions count
 GIT's mask) is supported for unpadded batches only: `padded_batch_problem` gives the reason, and
 `generate()` refuses a left-padded batch with it. An encoder-decoder model's decoder skips the paged
 probe: it runs on its own attention, each row over its own encoder output (`EncoderDecoderRowCache`),
-checked by the same probe over an encoder output for a random source (`_probe_encoder_inputs`).
+checked by the same probe over an encoder output for a random source (`_probe_encoder_inputs`), then
+batched the same way (`EncoderDecoderBatchedCache`) where that passes too.
 
 A bfloat16 / float16 model is probed on float32 copies of its weights (`_float32_copies`): the logits checks
 compare to a tolerance its rounding would exceed. The verdict is kept per model object, so the probe runs once.
@@ -36,6 +37,7 @@ import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,12 +48,13 @@ from transformers.utils.generic import TransformersKwargs
 from .forward import forward_tokens
 from .own_attention import (
     BatchedOwnAttentionCache,
+    EncoderDecoderBatchedCache,
     EncoderDecoderRowCache,
     OwnAttentionCache,
     RowOwnAttentionCache,
     batches_plainly,
     encoder_input_name,
-    encoder_row,
+    encoder_rows,
     generate_passes_position_ids,
     mark_own_attention,
 )
@@ -122,7 +125,8 @@ def _verdict(model: PreTrainedModel) -> str:
             if config.is_encoder_decoder:  # its decoder runs on its own attention (cross-attention: `EncoderDecoderRowCache`)
                 problem = _checked(_own_attention_problem, model, "its decoder does not run on its own cache")
                 if not problem:
-                    mark_own_attention(model)
+                    batched = batches_plainly(model) and not _checked(_batched_problem, model, "batched")
+                    mark_own_attention(model, batched=batched)
                     return ""
                 return f"model_type={model_type!r} is not supported: {problem}"
             try:
@@ -433,6 +437,9 @@ def _probe(model: PreTrainedModel) -> str:
 
 # the probes' rows: 5 and 3 tokens, fed in two forwards of these many tokens each
 PROBE_LENGTHS, PROBE_CHUNKS = (5, 3), ((3, 2), (2, 1))
+# batched, row 1 gets 1 token, then 2 after 3 columns of left padding: a position counted from the cache's width
+# (not the row's own) is off by 3 there (by 1, the probe's logits of a tiny random Marian had strayed only 1e-3)
+BATCHED_PROBE_CHUNKS = ((4, 1), (1, 2))
 # where the prompt attends both ways: these many tokens of each row are the prompt, then the rest are fed from its
 # last token on
 PREFILLED_PROMPT_LENGTHS, PREFILLED_PROBE_CHUNKS = (3, 2), ((2, 1), (1, 1))
@@ -489,12 +496,13 @@ def _logits_problem(
     return ""
 
 
-def _probe_encoder_inputs(model: PreTrainedModel) -> list[dict]:
-    """For an encoder-decoder model, what its decoder reads of each probe row's source ([] for other models):
+def _probe_encoder_inputs(model: PreTrainedModel) -> tuple[Any, torch.Tensor] | None:
+    """For an encoder-decoder model, what its decoder reads of the probe rows' sources (None for other models):
     its encoder's output (some decoders read more of it than the states: a downsampled mask, router logits)
-    over a random source of two rows, the second one's end masked out as padding (`_probe_sources`)."""
+    over a random source of two rows, the second one's end masked out as padding (`_probe_sources`), and that
+    mask."""
     if not model.config.is_encoder_decoder:
-        return []
+        return None
     encoder = model.get_encoder()
     outputs = mask = None
     for source, mask in _probe_sources(model, encoder):
@@ -509,8 +517,7 @@ def _probe_encoder_inputs(model: PreTrainedModel) -> list[dict]:
         hidden_size = getattr(encoder_config, "d_model", None) or encoder_config.hidden_size
         states = torch.randn((2, 6, hidden_size), generator=torch.Generator().manual_seed(1))
         outputs, mask = BaseModelOutput(last_hidden_state=states.to(model.device, model.dtype)), torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
-    mask = mask.to(model.device)
-    return [{"encoder_outputs": encoder_row(outputs, row, 2), "attention_mask": mask[row : row + 1]} for row in range(2)]
+    return outputs, mask.to(model.device)
 
 
 def _probe_sources(model: PreTrainedModel, encoder: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -561,9 +568,9 @@ def _generated_logits(model: PreTrainedModel, prompt: torch.Tensor, continuation
 
 def _batched_problem(model: PreTrainedModel) -> str:
     """The own-attention probe with both rows in one forward on one `DynamicCache` (`BatchedOwnAttentionCache`):
-    row 1 gets fewer new tokens than row 0 in each (padding after them), is realigned between them, and row 0
-    rolled back and fed again moves it once more."""
-    return _own_attention_problem(model, BatchedOwnAttentionCache)
+    row 1 gets fewer new tokens than row 0 in the first (padding after them), is realigned by 3 columns, gets
+    more in the second, and row 0 rolled back and fed again moves it once more."""
+    return _own_attention_problem(model, BatchedOwnAttentionCache, BATCHED_PROBE_CHUNKS)
 
 
 class _FeedTokens(LogitsProcessor):
@@ -611,27 +618,34 @@ def _padded_generate_problem(model: PreTrainedModel, steps: int = 3) -> str:
     return ""
 
 
-def _own_attention_problem(model: PreTrainedModel, cache_class: type[OwnAttentionCache] = RowOwnAttentionCache) -> str:
+def _own_attention_problem(
+    model: PreTrainedModel, cache_class: type[OwnAttentionCache] = RowOwnAttentionCache,
+    chunks: tuple[tuple[int, int], ...] = PROBE_CHUNKS,
+) -> str:  # fmt: skip
     """The probe on the model's own attention: a `DynamicCache` per row (`RowOwnAttentionCache`, one row per
-    forward) or one for the batch (`BatchedOwnAttentionCache`). The same two forwards, then row 0 rolled
-    back by one token and that token fed again, must give the model's own forward's logits; '' when they do.
-    An encoder-decoder model's decoder runs on `EncoderDecoderRowCache`, each row on encoder states of its own
-    (`_probe_encoder_inputs`)."""
+    forward) or one for the batch (`BatchedOwnAttentionCache`). The same two forwards (`chunks`), then row 0
+    rolled back by one token and that token fed again, must give the model's own forward's logits; '' when they
+    do. An encoder-decoder model's decoder runs on `EncoderDecoderRowCache` / `EncoderDecoderBatchedCache`, each
+    row on encoder states of its own (`_probe_encoder_inputs`)."""
     rows = _probe_rows(model)
-    encoder_inputs = _probe_encoder_inputs(model)
-    if encoder_inputs:
-        cache_class = EncoderDecoderRowCache
+    encoder = _probe_encoder_inputs(model)
+    encoder_inputs = []
+    if encoder is not None:
+        cache_class = EncoderDecoderRowCache if cache_class is RowOwnAttentionCache else EncoderDecoderBatchedCache
+        encoder_inputs = [
+            {"encoder_outputs": encoder_rows(encoder[0], [row], 2), "attention_mask": encoder[1][row : row + 1]} for row in range(2)
+        ]  # fmt: skip
     cache = cache_class(
         model, max_rollback=2, num_layers=model.config.get_text_config().num_hidden_layers, num_blocks=8, block_size=4,
         device=model.device,
     )  # fmt: skip
-    for row, inputs in enumerate(encoder_inputs):
-        cache.set_encoder_states(row, inputs["encoder_outputs"], inputs["attention_mask"])
+    if encoder is not None:
+        cache.set_encoder_states([0, 1], *encoder)
     fed_logits: list[list[torch.Tensor]] = [[], []]
     with _probing(model):
         for step in range(2):
-            logits = _probe_forward(model, cache, rows, step)
-            for row, piece in enumerate(logits.split([c[step] for c in PROBE_CHUNKS])):
+            logits = _probe_forward(model, cache, rows, step, chunks=chunks)
+            for row, piece in enumerate(logits.split([c[step] for c in chunks])):
                 fed_logits[row].append(piece.float().cpu())
         length = PROBE_LENGTHS[0]
         cache.rollback(0, length - 1)

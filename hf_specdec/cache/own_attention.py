@@ -16,8 +16,10 @@ positions in ways the packed layout does not reproduce (DiffLlama). The paged pa
 - `RowOwnAttentionCache` otherwise (sliding windows, recurrent layers, and models whose plain
   `generate()` reads a padded row differently): a `DynamicCache` per row, recording its past so that
   sliding and recurrent layers can be cropped back, one row per forward (no padding in it).
-- `EncoderDecoderRowCache` for an encoder-decoder model's decoder: `RowOwnAttentionCache`'s, plus each row's
-  encoder output and cross-attention cache.
+- `EncoderDecoderRowCache` / `EncoderDecoderBatchedCache` for an encoder-decoder model's decoder: the two
+  above, plus the rows' encoder output and cross-attention cache. Batched only where the decoder reads a
+  row's positions as they are (per-row position ids: Whisper; relative ones: T5): BART-style decoders count
+  positions from the cache's width, which left padding shifts.
 
 Both keep `PagedKVCache`'s block bookkeeping (block tables, lengths, the allocator), so the loop, the
 engine's admission and its KV metrics are unchanged; the pools themselves are never written. Exact:
@@ -31,6 +33,7 @@ import copy
 import dataclasses
 import inspect
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -67,10 +70,11 @@ def mark_own_attention(model: torch.nn.Module, batched: bool = False) -> None:
 
 def own_attention_cache(model: torch.nn.Module, max_rollback: int, **kwargs) -> OwnAttentionCache:
     """The cache a model marked by `mark_own_attention` runs on (`kwargs`: `PagedKVCache`'s)."""
+    one_row = runs_one_row_per_forward(model)
     if model.config.is_encoder_decoder:
-        cache_class = EncoderDecoderRowCache
+        cache_class = EncoderDecoderRowCache if one_row else EncoderDecoderBatchedCache
     else:
-        cache_class = RowOwnAttentionCache if runs_one_row_per_forward(model) else BatchedOwnAttentionCache
+        cache_class = RowOwnAttentionCache if one_row else BatchedOwnAttentionCache
     return cache_class(model, max_rollback, **kwargs)
 
 
@@ -219,11 +223,13 @@ class EncoderDecoderRowCache(RowOwnAttentionCache):
         self._encoder_states: dict[int, tuple[Any, torch.Tensor | None]] = {}
         self._cross_caches: dict[int, DynamicCache] = {}
 
-    def set_encoder_states(self, row: int, encoder_outputs: Any, attention_mask: torch.Tensor | None) -> None:
-        """Row `row`'s encoder output (what the model's encoder returns, for this row alone: `encoder_row`) and the
-        encoder's attention mask over it (`[1, source length]`; None: no padding), before its first forward."""
-        self._encoder_states[row] = (encoder_outputs, attention_mask)
-        self._cross_caches[row] = copy.deepcopy(self._empty_cross_cache)
+    def set_encoder_states(self, rows: Sequence[int], encoder_outputs: Any, attention_mask: torch.Tensor | None) -> None:
+        """The encoder output for `rows` (what the model's encoder returns, a batch in that order) and the encoder's
+        attention mask over it (`[len(rows), source length]`; None: no padding), before their first forward."""
+        for index, row in enumerate(rows):
+            row_mask = None if attention_mask is None else attention_mask[index : index + 1]
+            self._encoder_states[row] = (encoder_rows(encoder_outputs, [index], len(rows)), row_mask)
+            self._cross_caches[row] = copy.deepcopy(self._empty_cross_cache)
 
     def model_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
         row = self._prepared_row()
@@ -247,16 +253,20 @@ def encoder_input_name(model: torch.nn.Module) -> str:
     return getattr(model.get_encoder(), "main_input_name", model.main_input_name)
 
 
-def encoder_row(encoder_outputs: Any, row: int, batch_size: int) -> Any:
-    """Row `row` of a batch's encoder output (a `ModelOutput`, or the tuple a caller passed): every tensor whose
-    first dimension is the batch, sliced to that row, in the same container (fields such as MoE router logits
-    or a downsampled mask, which some decoders read, come along)."""
+def encoder_rows(encoder_outputs: Any, indices: Sequence[int], batch_size: int) -> Any:
+    """Rows `indices` of a batch's encoder output (a `ModelOutput`, or the tuple a caller passed), in that order:
+    every tensor whose first dimension is the batch, indexed so, in the same container (fields such as MoE router
+    logits or a downsampled mask, which some decoders read, come along)."""
     if isinstance(encoder_outputs, torch.Tensor):
-        return encoder_outputs[row : row + 1] if encoder_outputs.ndim and encoder_outputs.shape[0] == batch_size else encoder_outputs
+        if not encoder_outputs.ndim or encoder_outputs.shape[0] != batch_size:
+            return encoder_outputs
+        if list(indices) == list(range(batch_size)):
+            return encoder_outputs
+        return encoder_outputs.index_select(0, torch.tensor(list(indices), device=encoder_outputs.device))
     if isinstance(encoder_outputs, ModelOutput):
-        return type(encoder_outputs)(**{name: encoder_row(value, row, batch_size) for name, value in encoder_outputs.items()})
+        return type(encoder_outputs)(**{name: encoder_rows(value, indices, batch_size) for name, value in encoder_outputs.items()})
     if isinstance(encoder_outputs, (tuple, list)):
-        return type(encoder_outputs)(encoder_row(value, row, batch_size) for value in encoder_outputs)
+        return type(encoder_outputs)(encoder_rows(value, indices, batch_size) for value in encoder_outputs)
     return encoder_outputs
 
 
@@ -403,3 +413,71 @@ class BatchedOwnAttentionCache(OwnAttentionCache):
         if slot is not None:
             self.slots[slot] = None
             self._held[:, slot] = 0
+
+
+class EncoderDecoderBatchedCache(BatchedOwnAttentionCache):
+    """An encoder-decoder model's decoder with every row in one forward: `BatchedOwnAttentionCache`'s
+    self-attention layout (left padding, realigned before each forward), and the encoder output, its mask and the
+    cross-attention keys and values laid out by batch slot. `architectures.py` runs a model so only where this
+    gives the model's own logits: where its decoder reads each row's positions as handed over (per-row
+    `decoder_position_ids`: Whisper) or only their differences (T5's relative bias). A BART-style decoder numbers
+    its new tokens from the cache's width, which a row's left padding shifts: it runs one row per forward."""
+
+    def __init__(self, model: torch.nn.Module, max_rollback: int, **kwargs):
+        super().__init__(model, max_rollback, **kwargs)
+        self._passes_positions = "decoder_position_ids" in inspect.signature(model.forward).parameters
+        self._cross_cache = DynamicCache()  # no config: see EncoderDecoderRowCache
+        self._encoder: tuple[Any, torch.Tensor | None, int] | None = None  # the batch's output, mask, batch size
+        self._encoder_index: dict[int, int] = {}  # row -> its index in that batch
+        self._slot_sources: list[int] = []  # the encoder batch index each slot's inputs and cross-attention hold
+        self._slot_encoder: tuple[Any, torch.Tensor | None] | None = None
+
+    def set_encoder_states(self, rows: Sequence[int], encoder_outputs: Any, attention_mask: torch.Tensor | None) -> None:
+        """As `EncoderDecoderRowCache.set_encoder_states`; once, for every row the cache will hold."""
+        if self._encoder is not None:
+            raise RuntimeError("EncoderDecoderBatchedCache takes the encoder output of one batch of rows, once")
+        self._encoder = (encoder_outputs, attention_mask, len(rows))
+        self._encoder_index = {row: index for index, row in enumerate(rows)}
+
+    def prepare_forward(
+        self, rows: list[int], num_new_tokens: list[int], tree_mask: np.ndarray | None = None
+    ) -> PagedAttentionMetadata:
+        metadata = super().prepare_forward(rows, num_new_tokens, tree_mask)
+        self._lay_out_encoder()
+        return metadata
+
+    def _lay_out_encoder(self) -> None:
+        """The encoder output, its mask and the cross-attention keys by slot, where the slots changed (the batch
+        shrinks as rows finish). A free slot keeps what it held: its padding query reads something."""
+        missing = [row for row in self.slots if row is not None and row not in self._encoder_index]
+        if self._encoder is None or missing:
+            raise RuntimeError(f"EncoderDecoderBatchedCache: rows {missing} have no encoder states (set_encoder_states)")
+        held = self._slot_sources
+        sources = [
+            self._encoder_index[row] if row is not None else (held[slot] if slot < len(held) else 0)
+            for slot, row in enumerate(self.slots)
+        ]  # fmt: skip
+        if sources == held:
+            return
+        outputs, mask, batch_size = self._encoder
+        self._slot_encoder = (encoder_rows(outputs, sources, batch_size), None if mask is None else mask[sources])
+        computed = [layer for layer in self._cross_cache.layers if getattr(layer, "keys", None) is not None]
+        if computed and set(sources) <= set(held):  # the keys each slot needs were computed: move them
+            index = torch.tensor([held.index(source) for source in sources], device=computed[0].keys.device)
+            for layer in computed:
+                layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+        else:  # the next forward computes them from the slots' encoder states
+            self._cross_cache = DynamicCache()
+        self._slot_sources = sources
+
+    def model_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """The decoder's tokens and mask as `BatchedOwnAttentionCache` lays them out, the slots' encoder output
+        and mask, and the row's own positions where the model takes them."""
+        if self._mask is None or self._slot_encoder is None:
+            raise RuntimeError("EncoderDecoderBatchedCache: prepare_forward before the forward")
+        encoder_outputs, encoder_mask = self._slot_encoder
+        positions = {"decoder_position_ids": position_ids} if self._passes_positions else {}
+        return {
+            "decoder_input_ids": input_ids, "decoder_attention_mask": self._mask, "encoder_outputs": encoder_outputs,
+            "attention_mask": encoder_mask, "cache": EncoderDecoderCache(self.batch_cache, self._cross_cache), **positions,
+        }  # fmt: skip

@@ -31,7 +31,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..cache.architectures import check_architecture
 from ..cache.forward import forward_tokens
-from ..cache.own_attention import OwnAttentionCache, encoder_input_name, encoder_row
+from ..cache.own_attention import OwnAttentionCache, encoder_input_name
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
 from ..config import TreeSpec
@@ -198,8 +198,8 @@ class DraftModelProposer:
         self.picker = DraftTokenPicker(sampling or DraftSampling(), draft_model.device)
         self.cache: PagedKVCache | None = None
         self.cached_tokens: dict[int, np.ndarray] = {}  # per row: the tokens the draft cache holds
-        # an encoder-decoder draft: each row's encoder output and mask (`encode_sources`), for its cache
-        self.encoder_states: dict[int, tuple[object, torch.Tensor | None]] = {}
+        # an encoder-decoder draft: the batch's encoder output, mask and size (`encode_sources`), for its cache
+        self.encoder_states: tuple[object, torch.Tensor | None, int] | None = None
 
     def encode_sources(
         self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, generation_config: GenerationConfig
@@ -213,9 +213,7 @@ class DraftModelProposer:
                 inputs.to(device), {} if mask is None else {"attention_mask": mask}, encoder_input_name(self.model),
                 generation_config,
             )  # fmt: skip
-        outputs, batch_size = prepared["encoder_outputs"], inputs.shape[0]
-        for row in range(batch_size):
-            self.encoder_states[row] = (encoder_row(outputs, row, batch_size), None if mask is None else mask[row : row + 1])
+        self.encoder_states = (prepared["encoder_outputs"], mask, inputs.shape[0])
 
     def _ensure_cache(self, token_ids: list[np.ndarray]) -> PagedKVCache:
         if self.cache is None:
@@ -236,10 +234,10 @@ class DraftModelProposer:
                     "(it builds its own causal mask, which a tree's mask would replace)"
                 )
             if self.model.config.is_encoder_decoder:
-                if not self.encoder_states:
+                if self.encoder_states is None:
                     raise ValueError("an encoder-decoder draft model needs its sources encoded first (encode_sources)")
-                for row, (outputs, mask) in self.encoder_states.items():
-                    cache.set_encoder_states(row, outputs, mask)
+                outputs, mask, batch_size = self.encoder_states
+                cache.set_encoder_states(range(batch_size), outputs, mask)
             self.cache = cache
         return self.cache
 
@@ -327,7 +325,6 @@ class DraftModelProposer:
     def release(self, rows: list[int], token_ids: list[np.ndarray] | None = None) -> None:
         for row in rows:
             self.cached_tokens.pop(row, None)
-            self.encoder_states.pop(row, None)
             if self.cache is not None:
                 self.cache.free_row(row)
         self.picker.release(rows)

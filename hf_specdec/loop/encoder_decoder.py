@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..cache.own_attention import encoder_row
 from ..config import SpeculativeConfig
 from ..drafters.draft_model import DraftModelProposer
 from ..drafters.ngram import NgramProposer
@@ -82,10 +81,7 @@ def hand_over_sources(
         if isinstance(drafter, NgramProposer):
             for row, source in enumerate(sources):
                 drafter.set_source(row, source)
-    for row in range(batch_size):
-        engine.cache.set_encoder_states(
-            row, encoder_row(encoder_outputs, row, batch_size), None if encoder_mask is None else encoder_mask[row : row + 1]
-        )
+    engine.cache.set_encoder_states(range(batch_size), encoder_outputs, encoder_mask)
 
 
 def source_tokens(model: PreTrainedModel, inputs_tensor: torch.Tensor | None, encoder_mask: torch.Tensor | None) -> list[np.ndarray]:
