@@ -29,6 +29,7 @@ from hf_specdec.cache.architectures import check_architecture
 from hf_specdec.cache.own_attention import (
     EncoderDecoderBatchedCache,
     EncoderDecoderRowCache,
+    mark_own_attention,
     runs_one_row_per_forward,
 )
 from hf_specdec.drafters.ngram import NgramProposer
@@ -109,14 +110,14 @@ def test_encoder_decoder_family_is_exact_or_refused(model_type):
     assert accepted > 0 and rejected > 0, f"accepted {accepted}, rejected {rejected}: the test proves little"
 
 
-@pytest.mark.parametrize("model_type", ["t5", "whisper", "bart"])
+@pytest.mark.parametrize("model_type", ["t5", "whisper", "bart", "t5gemma"])
 def test_rows_batched_where_the_decoder_reads_their_own_positions(model_type):
-    """Where the decoder reads each row's positions as handed over (Whisper's decoder_position_ids) or only their
-    differences (T5's relative bias), every row runs in one forward (`EncoderDecoderBatchedCache`): rows accept
-    different numbers of drafts (realigned between forwards) and finish at different steps (the batch shrinks
-    from its end, the slots' encoder output and cross-attention keys with it), and give plain generate()'s
-    tokens. BART's decoder numbers positions from the cache's width, which left padding shifts: one row per
-    forward."""
+    """Every row in one forward (`EncoderDecoderBatchedCache`) where the decoder reads each row's own positions:
+    handed over (Whisper's decoder_position_ids), as differences only (T5's relative bias), or its
+    `embed_positions` evaluated again at each row's own length (BART). Rows accept different numbers of drafts
+    (realigned between forwards) and finish at different steps (the batch shrinks from its end, the slots'
+    encoder output and cross-attention keys with it), and give plain generate()'s tokens. T5Gemma's sliding
+    layers cannot be realigned: one row per forward."""
     model = families.build_tiny_encoder_decoder(model_type)
     # each row's decoder starts with a tag of its own; the processor ends row r after 15 - 3 r tokens: the last
     # row first, so the batch shrinks from its end (Whisper's own generate() would rewrite these decoder ids)
@@ -139,7 +140,7 @@ def test_rows_batched_where_the_decoder_reads_their_own_positions(model_type):
     assert torch.equal(out, plain)
     metrics = model.spec_decode_metrics
     assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
-    if model_type == "bart":
+    if model_type == "t5gemma":
         assert set(widths) == {1}
     else:  # one forward for all four rows, then fewer as the last ones finish
         assert widths[0] == 4 and widths[-1] < 4 and len(widths) < 16, widths
@@ -364,14 +365,20 @@ def test_draft_model_needs_the_source_and_an_encoder_decoder_draft():
         hf_specdec.SpeculativeEngine(model, {"method": "ngram"})
 
 
-@pytest.mark.parametrize(("model_type", "cache_class"), [("bart", EncoderDecoderRowCache), ("t5", EncoderDecoderBatchedCache)])
+@pytest.mark.parametrize(
+    ("model_type", "cache_class"),
+    [("bart", EncoderDecoderBatchedCache), ("bart", EncoderDecoderRowCache), ("t5", EncoderDecoderBatchedCache)],
+)
 def test_sampling_matches_exact_distribution_and_fails_reading_the_source_padding(monkeypatch, model_type, cache_class):
-    """A 16-token BART (one row per forward) and T5 (every row in one) on a source padded at its end; P(3 new
-    tokens) enumerated from plain generate()'s processed scores after each decoder prefix. Broken: the decoder's
-    cross-attention reads the padding (the encoder mask dropped), which must fail the same test."""
+    """A 16-token BART (every row in one forward, and made to run one row per forward) and T5 (every row in one)
+    on a source padded at its end; P(3 new tokens) enumerated from plain generate()'s processed scores after each
+    decoder prefix. Broken: the decoder's cross-attention reads the padding (the encoder mask dropped), which must
+    fail the same test."""
     config = families.tiny_encoder_decoder_config(model_type, init_scale=1.0)
     config.vocab_size = SMALL_VOCAB_SIZE
     model = families.build_tiny_encoder_decoder(model_type, config=config)
+    check_architecture(model)
+    mark_own_attention(model, batched=cache_class is EncoderDecoderBatchedCache)
     model.generation_config.eos_token_id = None
     model = hf_specdec.enable(model)
     source = torch.tensor([PROMPT + [0, 0, 0]])

@@ -99,7 +99,7 @@ def _batched_forward(
     needed, picked = np.unique(layout.columns[kept], return_inverse=True)
     logits_to_keep, rows, picked = to_device([needed, layout.slots[kept], picked], input_ids.device)
     inputs = cache.model_inputs(layout.scatter(input_ids), layout.scatter(position_ids))
-    with timed_forward(input_ids.device), tokens_at((layout.batch_size, layout.width), layout.positions):
+    with timed_forward(input_ids.device), tokens_at((layout.batch_size, layout.width), layout.positions), cache.forward_context():
         if selects:
             logits = model(**inputs, use_cache=True, logits_to_keep=logits_to_keep).logits
         else:

@@ -29,6 +29,7 @@ included. Draft trees are refused (the model builds its own causal mask), as are
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -397,6 +398,10 @@ class BatchedOwnAttentionCache(OwnAttentionCache):
             index_ = source[:, None, :, None].expand(len(self.slots), states.shape[1], width, states.shape[3])
             setattr(layer, name, states.gather(2, index_))
 
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """What the prepared forward runs inside (`forward._batched_forward`): nothing here."""
+        return contextlib.nullcontext()
+
     def model_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """The batch's cache and the attention mask of the prepared forward (left padding, each row's new tokens);
         no position ids where plain generate() hands none."""
@@ -418,14 +423,19 @@ class BatchedOwnAttentionCache(OwnAttentionCache):
 class EncoderDecoderBatchedCache(BatchedOwnAttentionCache):
     """An encoder-decoder model's decoder with every row in one forward: `BatchedOwnAttentionCache`'s
     self-attention layout (left padding, realigned before each forward), and the encoder output, its mask and the
-    cross-attention keys and values laid out by batch slot. `architectures.py` runs a model so only where this
-    gives the model's own logits: where its decoder reads each row's positions as handed over (per-row
-    `decoder_position_ids`: Whisper) or only their differences (T5's relative bias). A BART-style decoder numbers
-    its new tokens from the cache's width, which a row's left padding shifts: it runs one row per forward."""
+    cross-attention keys and values laid out by batch slot. Positions: a decoder that takes
+    `decoder_position_ids` gets each row's own (Whisper); T5's relative bias reads only their differences; a
+    BART-style decoder numbers a forward's tokens from the cache's width, which a row's left padding shifts, so
+    its `embed_positions` is evaluated again row by row at the row's own length (`_positions_by_row`).
+    `architectures.py` runs a model so only where this gives the model's own logits (the batched probe)."""
 
     def __init__(self, model: torch.nn.Module, max_rollback: int, **kwargs):
         super().__init__(model, max_rollback, **kwargs)
         self._passes_positions = "decoder_position_ids" in inspect.signature(model.forward).parameters
+        # (SpeechT5's sits in its decoder's prenet)
+        self._embed_positions = [
+            module for name, module in model.get_decoder().named_modules() if name.split(".")[-1] == "embed_positions"
+        ]  # fmt: skip
         self._cross_cache = DynamicCache()  # no config: see EncoderDecoderRowCache
         self._encoder: tuple[Any, torch.Tensor | None, int] | None = None  # the batch's output, mask, batch size
         self._encoder_index: dict[int, int] = {}  # row -> its index in that batch
@@ -470,6 +480,16 @@ class EncoderDecoderBatchedCache(BatchedOwnAttentionCache):
             self._cross_cache = DynamicCache()
         self._slot_sources = sources
 
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """While the prepared forward runs: the decoder's `embed_positions` (BART, Marian, Pegasus, M2M-100...)
+        at each row's own length, where left padding shifts a row (`_positions_by_row`)."""
+        if self._passes_positions or not self._embed_positions or self._last_forward is None:
+            return contextlib.nullcontext()
+        held = self._last_forward[0]
+        if not (held != held.max(initial=0)).any():  # no row left-padded
+            return contextlib.nullcontext()
+        return _positions_by_row(self._embed_positions, int(held.max()), held)
+
     def model_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """The decoder's tokens and mask as `BatchedOwnAttentionCache` lays them out, the slots' encoder output
         and mask, and the row's own positions where the model takes them."""
@@ -481,3 +501,46 @@ class EncoderDecoderBatchedCache(BatchedOwnAttentionCache):
             "decoder_input_ids": input_ids, "decoder_attention_mask": self._mask, "encoder_outputs": encoder_outputs,
             "attention_mask": encoder_mask, "cache": EncoderDecoderCache(self.batch_cache, self._cross_cache), **positions,
         }  # fmt: skip
+
+
+@contextlib.contextmanager
+def _positions_by_row(modules: list[torch.nn.Module], width: int, held: np.ndarray):
+    """A forward hook on a decoder's `embed_positions`: the module's own output again for each slot alone, at the
+    slot's own length (`held[slot]`) instead of the cache's `width`. Such modules take the decoder's input (or its
+    shape), the cache's length and, some, the position ids counted from it (`arange(new tokens) + width`, as
+    `[n]` or `[n, 1]`); each is handed the slot's own. Why: a BART-style decoder gives the module the cache's
+    length, one number for the batch, and takes no position ids."""
+    batch = len(held)
+
+    def for_slot(value: Any, slot: int, tokens: int) -> Any:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int):
+            return int(held[slot]) if value == width else value
+        if isinstance(value, torch.Tensor) and not value.is_floating_point() and tuple(value.shape) in ((tokens,), (tokens, 1)):
+            return value - (width - int(held[slot]))  # position ids
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[0] == batch:
+            return value[slot : slot + 1]
+        if isinstance(value, tuple) and value and value[0] == batch:  # a shape
+            return (1, *value[1:])
+        return value
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not isinstance(output, torch.Tensor) or output.ndim < 2:
+            return None
+        tokens, size = output.shape[-2:]
+        rows = []
+        for slot in range(batch):
+            slot_args = (for_slot(a, slot, tokens) for a in args)
+            row = module.forward(*slot_args, **{k: for_slot(v, slot, tokens) for k, v in kwargs.items()})
+            if row.numel() != tokens * size:
+                return None  # not a per-token embedding: left as it was (the probe judges the model)
+            rows.append(row.reshape(tokens, size))
+        return torch.stack(rows)
+
+    handles = [module.register_forward_hook(hook, with_kwargs=True) for module in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
