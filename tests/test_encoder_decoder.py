@@ -25,7 +25,7 @@ from test_sampling_distribution import NEW_TOKENS, PROMPT, SETTINGS, chi_square_
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_specdec
-from hf_specdec.cache.architectures import check_architecture
+from hf_specdec.cache.architectures import check_architecture, padding_ends_forward
 from hf_specdec.cache.own_attention import (
     EncoderDecoderBatchedCache,
     EncoderDecoderRowCache,
@@ -34,6 +34,7 @@ from hf_specdec.cache.own_attention import (
 )
 from hf_specdec.drafters.ngram import NgramProposer
 from hf_specdec.loop import encoder_decoder
+from hf_specdec.loop import step as loop_step
 
 # model type -> the reason its refusal must give (a fragment of the ValueError)
 EXPECTED_REFUSALS = {
@@ -161,6 +162,49 @@ class _EndRows(LogitsProcessor):
                 scores[index] = -torch.inf
             scores[index, self.eos] = 0.0 if ends else -torch.inf
         return scores
+
+
+def test_padding_id_ends_a_forward_where_the_decoder_numbers_tokens_by_it(monkeypatch):
+    """M2M-100 (NLLB-MoE, SpeechT5 alike) numbers a forward's tokens by counting those that are not the padding
+    id (fairseq's positions), and plain generate() feeds it one token at a time. Where the padding id is generated
+    (forced here at the fifth token), the loop feeds nothing after it in the same forward, and a draft that is the
+    padding id ends its row's drafts: plain generate()'s tokens and scores. With drafts fed after it, the scores
+    after it differ (a random decoder's tokens hardly do)."""
+    model = families.build_tiny_encoder_decoder("m2m_100")
+    bart = families.build_tiny_encoder_decoder("bart")
+    check_architecture(model), check_architecture(bart)
+    assert padding_ends_forward(model) == families.PAD_TOKEN_ID and padding_ends_forward(bart) is None
+    inputs = {
+        **source_inputs(model), "max_new_tokens": 16, "do_sample": False, "output_scores": True,
+        "return_dict_in_generate": True, "logits_processor": LogitsProcessorList([_ForceAt(5, families.PAD_TOKEN_ID)]),
+    }  # fmt: skip
+    plain = transformers.GenerationMixin.generate(model, **inputs)
+    assert (plain.sequences[:, 5] == families.PAD_TOKEN_ID).all() and (plain.sequences != families.EOS_TOKEN_ID).all()
+    draft = {"method": "draft_model", "model": perturbed_copy(model, scale=0.05), "num_speculative_tokens": 3}
+
+    def same_as_plain() -> bool:
+        out = transformers.GenerationMixin.generate(model, **inputs, custom_generate=hf_specdec.generate, speculative_config=draft)
+        scores, plain_scores = torch.stack(out.scores), torch.stack(plain.scores)
+        finite = torch.isfinite(plain_scores)
+        return torch.equal(out.sequences, plain.sequences) and torch.allclose(scores[finite], plain_scores[finite], atol=1e-4)
+
+    assert same_as_plain() and model.spec_decode_metrics.num_accepted_tokens > 0
+    monkeypatch.setattr(loop_step, "padding_ends_forward", lambda model: None)
+    assert not same_as_plain()
+
+
+class _ForceAt(LogitsProcessor):
+    """Makes every row pick `token` as its decoder's `length`-th token (input_ids of that length)."""
+
+    def __init__(self, length: int, token: int):
+        self.length, self.token = length, token
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if input_ids.shape[1] != self.length:
+            return scores
+        forced = torch.full_like(scores, -torch.inf)
+        forced[:, self.token] = 0.0
+        return forced
 
 
 def test_whisper_through_its_own_generate_with_a_distilled_style_assistant():

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import LogitsProcessor, PreTrainedModel
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils.generic import TransformersKwargs
 
@@ -69,6 +70,7 @@ from .prefill import model_prefill_problem, prefill_with_model, prompt_attends_b
 
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PADDED_BATCH_PROBLEMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reason
+_PADDING_ENDS_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its padding id
 # how far the probe's logits may stray from the model's own forward (float32): attention
 # implementations differ by ~1e-6; a wrong mask or position differs by orders of magnitude more
 PROBE_TOLERANCE = 1e-3
@@ -90,6 +92,14 @@ def padded_batch_problem(model: PreTrainedModel, length: int | None = None) -> s
     every row unpadded, so on such a model only unpadded batches can be exact."""
     check_architecture(model)
     return _PADDED_BATCH_PROBLEMS.get(model, "") or _indexer_padding_problem(model, length)
+
+
+def padding_ends_forward(model: PreTrainedModel) -> int | None:
+    """The padding id of an encoder-decoder model whose decoder numbers a forward's tokens by counting those that
+    are not the padding id (fairseq's positions: M2M-100, NLLB-MoE, SpeechT5), else None. Plain generate() feeds
+    it one token a time, so a token after the padding id in a forward of several reads another position: the
+    loop ends a row's forward at the padding id (`loop/step.py`). Known once `check_architecture` has run."""
+    return _PADDING_ENDS_FORWARD.get(model)
 
 
 def _indexer_padding_problem(model: PreTrainedModel, length: int | None) -> str:
@@ -127,6 +137,9 @@ def _verdict(model: PreTrainedModel) -> str:
                 if not problem:
                     batched = batches_plainly(model) and not _checked(_batched_problem, model, "batched")
                     mark_own_attention(model, batched=batched)
+                    padding = _padding_numbering(model)
+                    if padding is not None:
+                        _PADDING_ENDS_FORWARD[model] = padding
                     return ""
                 return f"model_type={model_type!r} is not supported: {problem}"
             try:
@@ -518,6 +531,28 @@ def _probe_encoder_inputs(model: PreTrainedModel) -> tuple[Any, torch.Tensor] | 
         states = torch.randn((2, 6, hidden_size), generator=torch.Generator().manual_seed(1))
         outputs, mask = BaseModelOutput(last_hidden_state=states.to(model.device, model.dtype)), torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
     return outputs, mask.to(model.device)
+
+
+def _padding_numbering(model: PreTrainedModel) -> int | None:
+    """The padding id where an encoder-decoder model's decoder gives a token after it in one forward another
+    position than fed one token at a time (`padding_ends_forward`), else None."""
+    padding = model.generation_config.pad_token_id
+    if padding is None:
+        padding = getattr(model.config.get_text_config(decoder=True), "pad_token_id", None)
+    if not isinstance(padding, int):
+        return None
+    other = _probe_rows(model)[0][:2].clone()
+    other[other == padding] = padding + 1
+    tokens = torch.tensor([[int(other[0]), padding, int(other[1])]], device=model.device)
+    encoder_outputs, mask = _probe_encoder_inputs(model)
+    inputs = {"encoder_outputs": encoder_rows(encoder_outputs, [0], 2), "attention_mask": mask[:1]}
+    with _probing(model):
+        whole = model(decoder_input_ids=tokens, **inputs, use_cache=False).logits[0, -1].float()
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        for index in range(3):
+            alone = model(decoder_input_ids=tokens[:, index : index + 1], **inputs, cache=cache, use_cache=True).logits[0, -1]
+    error = float((alone.float() - whole).abs().max())
+    return padding if error > PROBE_TOLERANCE * (1.0 + float(whole.abs().max())) else None
 
 
 def _probe_sources(model: PreTrainedModel, encoder: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:

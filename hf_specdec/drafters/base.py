@@ -47,6 +47,18 @@ class DraftProposal:
     def num_draft_tokens(self) -> list[int]:
         return [len(tokens) for tokens in self.draft_token_ids]
 
+    def shortened(self, lengths: list[int]) -> DraftProposal:
+        """Each row's first `lengths[i]` chain drafts (and their q). Exact for sampled drafts only where a length
+        depends on the row's drafts up to it, not on what follows or on the target (a stopping rule)."""
+        if self.draft_parents is not None:
+            raise ValueError("DraftProposal.shortened: draft trees cannot be cut this way")
+        probs = self.draft_probs
+        if probs is not None:
+            starts = np.cumsum([0, *self.num_draft_tokens[:-1]])
+            kept = np.concatenate([np.arange(start, start + n) for start, n in zip(starts, lengths)] or [np.zeros(0, np.int64)])
+            probs = probs[torch.as_tensor(kept, dtype=torch.long, device=probs.device)]
+        return DraftProposal([tokens[:n] for tokens, n in zip(self.draft_token_ids, lengths)], probs)
+
 
 class Proposer(Protocol):
     """Optionally, `target_feature_layers: tuple[int, ...]` (transformers `hidden_states` indices

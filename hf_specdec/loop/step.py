@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessorList, PreTrainedModel
 
+from ..cache.architectures import padding_ends_forward
 from ..cache.forward import forward_tokens
 from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
@@ -142,6 +143,9 @@ def speculative_step(
     # a grammar-forbidden deterministic draft cannot pass: cut it here (a tree's are masked in the verify)
     if proposal.draft_probs is None and trees is None:
         proposal.draft_token_ids = cut_forbidden_drafts(logits_processor, rows, proposal.draft_token_ids)
+    padding = padding_ends_forward(model)
+    if padding is not None:  # a token after the padding id would read another position than one at a time
+        proposal = proposal.shortened(_drafts_up_to(padding, [state.tokens(r)[-1] for r in rows], proposal.draft_token_ids))
     spec = SpecDecodeMetadata.from_drafts(proposal.draft_token_ids, device=model.device)
     num_draft = np.array(spec.num_draft_tokens, dtype=np.int64)
     metrics.draft_seconds += timer.lap("draft")
@@ -402,3 +406,14 @@ def _emitted_logits(
 def _offsets_within(lengths: np.ndarray) -> np.ndarray:
     """[0, 1, ..., n0-1, 0, 1, ..., n1-1, ...]"""
     return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
+def _drafts_up_to(token: int, last_tokens: list[int], drafts: list[np.ndarray]) -> list[int]:
+    """How many of each row's drafts to keep so that nothing follows `token` in the row's forward: none after a
+    row's last token if it is `token`, else up to and with the first draft that is (a stopping rule on the
+    drafts themselves: exact for sampled drafts too)."""
+    lengths = []
+    for last, row_drafts in zip(last_tokens, drafts):
+        found = np.flatnonzero(row_drafts == token)
+        lengths.append(0 if last == token else int(found[0]) + 1 if found.size else len(row_drafts))
+    return lengths
