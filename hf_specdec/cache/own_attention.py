@@ -348,9 +348,10 @@ class BatchedOwnAttentionCache(OwnAttentionCache):
                 self.slots[free], self._slot_of[row] = row, free
         while self.slots and self.slots[-1] is None:  # the batch shrinks from its end
             self.slots.pop()
-        grow = max(len(self.slots) - self._held.shape[1], 0)
-        self._held = np.pad(self._held, ((0, 0), (0, grow)))[:, : len(self.slots)]
-        self._ends = np.pad(self._ends, ((0, 0), (0, grow)))[:, : len(self.slots)]
+        if self._held.shape[1] != len(self.slots):
+            grow = max(len(self.slots) - self._held.shape[1], 0)
+            self._held = np.pad(self._held, ((0, 0), (0, grow)))[:, : len(self.slots)]
+            self._ends = np.pad(self._ends, ((0, 0), (0, grow)))[:, : len(self.slots)]
 
     def _account_last_forward(self) -> None:
         """Each layer the last forward ran holds its rows' new tokens (padding after them)."""
