@@ -16,10 +16,9 @@ positions in ways the packed layout does not reproduce (DiffLlama). The paged pa
 - `RowOwnAttentionCache` otherwise (sliding windows, recurrent layers, and models whose plain
   `generate()` reads a padded row differently): a `DynamicCache` per row, recording its past so that
   sliding and recurrent layers can be cropped back, one row per forward (no padding in it).
-- `EncoderDecoderRowCache` / `EncoderDecoderBatchedCache` for an encoder-decoder model's decoder: the two
-  above, plus the rows' encoder output and cross-attention cache. Batched only where the decoder reads a
-  row's positions as they are (per-row position ids: Whisper; relative ones: T5): BART-style decoders count
-  positions from the cache's width, which left padding shifts.
+- `EncoderDecoderBatchedCache` / `EncoderDecoderRowCache` for an encoder-decoder model's decoder: the two
+  above, plus the rows' encoder output and cross-attention cache (batched where the probe finds it exact:
+  every row's positions its own, which BART-style decoders get from `_positions_by_row`).
 
 Both keep `PagedKVCache`'s block bookkeeping (block tables, lengths, the allocator), so the loop, the
 engine's admission and its KV metrics are unchanged; the pools themselves are never written. Exact:
@@ -463,18 +462,18 @@ class EncoderDecoderBatchedCache(BatchedOwnAttentionCache):
         missing = [row for row in self.slots if row is not None and row not in self._encoder_index]
         if self._encoder is None or missing:
             raise RuntimeError(f"EncoderDecoderBatchedCache: rows {missing} have no encoder states (set_encoder_states)")
-        held = self._slot_sources
+        laid_out = self._slot_sources
         sources = [
-            self._encoder_index[row] if row is not None else (held[slot] if slot < len(held) else 0)
+            self._encoder_index[row] if row is not None else (laid_out[slot] if slot < len(laid_out) else 0)
             for slot, row in enumerate(self.slots)
         ]  # fmt: skip
-        if sources == held:
+        if sources == laid_out:
             return
         outputs, mask, batch_size = self._encoder
         self._slot_encoder = (encoder_rows(outputs, sources, batch_size), None if mask is None else mask[sources])
         computed = [layer for layer in self._cross_cache.layers if getattr(layer, "keys", None) is not None]
-        if computed and set(sources) <= set(held):  # the keys each slot needs were computed: move them
-            index = torch.tensor([held.index(source) for source in sources], device=computed[0].keys.device)
+        if computed and set(sources) <= set(laid_out):  # the keys each slot needs were computed: move them
+            index = torch.tensor([laid_out.index(source) for source in sources], device=computed[0].keys.device)
             for layer in computed:
                 layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
         else:  # the next forward computes them from the slots' encoder states
