@@ -21,7 +21,11 @@ _TOKEN_POSITIONS: ContextVar[tuple[tuple[int, int], torch.Tensor] | None] = Cont
 
 @contextlib.contextmanager
 def tokens_at(shape: tuple[int, int], positions: torch.Tensor) -> Iterator[None]:
-    """Inside the block the forward's `[rows, width]` inputs hold tokens at `positions` (flat) only."""
+    """Inside the block the forward's `[rows, width]` inputs hold tokens at `positions` (flat) only. Where every
+    position holds one (each row as many new tokens: a step without drafts), nothing changes."""
+    if len(positions) == shape[0] * shape[1]:
+        yield
+        return
     token = _TOKEN_POSITIONS.set((shape, positions))
     try:
         yield

@@ -190,9 +190,10 @@ def test_numba_row_does_not_depend_on_the_other_rows():
 
 def test_auto_linears_compute_only_the_token_positions_of_a_padded_forward():
     """Inside `tokens_at` (a `[rows, width]` forward on the model's own cache) the planned linears compute the
-    token positions only, as the whole input would give them, padding as zeros; inputs of another shape, or
-    with rows == width (a `[width, rows]` layout could not be told apart), are computed whole."""
-    from hf_specdec.token_rows import tokens_at
+    token positions only, as the whole input would give them, padding as zeros; inputs of another shape, with
+    rows == width (a `[width, rows]` layout could not be told apart), or with a token at every position (no
+    padding to skip: no gather and scatter either) are computed whole."""
+    from hf_specdec.token_rows import token_positions, tokens_at
 
     layer = torch.nn.Linear(64, 32)
     x = torch.randn(3, 5, 64)
@@ -204,6 +205,10 @@ def test_auto_linears_compute_only_the_token_positions_of_a_padded_forward():
             other = layer(x[:, :4])
         with tokens_at((5, 5), tokens):
             square = layer(torch.randn(5, 5, 64))
+        with tokens_at((3, 5), torch.arange(15)):
+            assert token_positions(x) is None
+            full = layer(x)
+    assert torch.allclose(full, whole, atol=1e-5)
     assert torch.allclose(padded[tokens], whole.reshape(15, 32)[tokens], atol=1e-5)
     assert padded[[i for i in range(15) if i not in tokens.tolist()]].eq(0).all()
     assert other.ne(0).all() and square.ne(0).all()
