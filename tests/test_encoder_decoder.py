@@ -25,6 +25,7 @@ from test_sampling_distribution import NEW_TOKENS, PROMPT, SETTINGS, chi_square_
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_specdec
+from hf_specdec.cache import own_attention
 from hf_specdec.cache.architectures import check_architecture, padding_ends_forward
 from hf_specdec.cache.own_attention import (
     EncoderDecoderBatchedCache,
@@ -405,8 +406,69 @@ def test_draft_model_needs_the_source_and_an_encoder_decoder_draft():
     decoder_only = families.build_tiny_model("llama")
     with pytest.raises(ValueError, match="the draft is a decoder-only model and the target an encoder-decoder model"):
         model.generate(**inputs, max_new_tokens=4, speculative_config={"method": "draft_model", "model": decoder_only})
-    with pytest.raises(ValueError, match="encoder-decoder models speculate through generate"):
-        hf_specdec.SpeculativeEngine(model, {"method": "ngram"})
+    # the engine: each request brings its source; drafters that read a decoder-only target's states are refused
+    with pytest.raises(ValueError, match="method='layer_skip' is not supported on an encoder-decoder target"):
+        hf_specdec.SpeculativeEngine(model, {"method": "layer_skip", "early_exit_layer": 1, "num_speculative_tokens": 2})
+    engine = hf_specdec.SpeculativeEngine(model, {"method": "ngram"})
+    with pytest.raises(ValueError, match=r"model_inputs: BartForConditionalGeneration is an encoder-decoder model; a request needs its source"):
+        engine.add_request([2], {"max_new_tokens": 4})
+    with pytest.raises(ValueError, match=r"model_inputs\['input_ids'\] must be a batch of one source"):
+        engine.add_request([2], {"max_new_tokens": 4}, model_inputs={"input_ids": inputs["input_ids"]})
+    with pytest.raises(ValueError, match=r"model_inputs\['input_ids'\] must be a \[1, length\] tensor of token ids in \[0, "):
+        engine.add_request([2], {"max_new_tokens": 4}, model_inputs={"input_ids": inputs["input_ids"][:1] + 10**6})
+
+
+def sources_of_their_own(model, count: int) -> list[dict]:
+    """`count` sources as requests bring them, each a batch of one, of lengths that differ (a row of
+    `source_inputs` cut to its own length)."""
+    name, batch = model.main_input_name, source_inputs(model, batch=count)
+    sources = []
+    for row in range(count):
+        if "attention_mask" not in batch:  # Whisper's 30 s
+            sources.append({name: batch[name][row : row + 1]})
+            continue
+        length = int(batch["attention_mask"][row].sum()) - row
+        values = batch[name][row : row + 1]
+        sources.append({name: values[..., :length] if values.ndim == 2 else values[:, :length], "attention_mask": torch.ones((1, length), dtype=torch.long)})
+    return sources
+
+
+@pytest.mark.parametrize(("model_type", "batched"), [("t5", True), ("bart", True), ("speech_to_text", True), ("t5gemma", False)])
+def test_engine_requests_bring_their_sources_and_join_mid_flight(model_type, batched):
+    """Each request gives its own source (of its own length): the engine runs the encoder on it as it joins, and
+    the decoder reads it padded to the longest in one forward (batched) or alone (a row per forward); every
+    request gets what plain generate() gives its source alone, finishing apart, rows reused, the pool empty."""
+    model = families.build_tiny_encoder_decoder(model_type)
+    sources = sources_of_their_own(model, 5)
+    start = [model.generation_config.decoder_start_token_id]
+    lengths = [12, 6, 10, 8, 12]
+    plain = [
+        plain_generate(model, **source, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, 1:].tolist()
+        for source, n in zip(sources, lengths)
+    ]  # fmt: skip
+    accepted = rejected = 0
+    for config in ({"method": "ngram", "num_speculative_tokens": 3}, {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3}):
+        engine = hf_specdec.SpeculativeEngine(model, config, max_batch_size=2)
+        assert isinstance(engine.cache, EncoderDecoderBatchedCache if batched else EncoderDecoderRowCache)
+
+        def add(index, engine=engine):
+            options = {"max_new_tokens": lengths[index], "min_new_tokens": lengths[index], "do_sample": False}
+            return engine.add_request(start, options, model_inputs=sources[index])
+
+        ids, outputs, steps = [add(0), add(1)], {}, 0
+        while engine.has_unfinished():
+            for output in engine.step():
+                assert output.finish_reason != "error", output.error
+                if output.finished:
+                    outputs[output.request_id] = output.token_ids
+            steps += 1
+            if steps == 2:  # three more join while the first two run: they wait for rows
+                ids += [add(2), add(3), add(4)]
+        assert [outputs[i] for i in ids] == plain, f"{config['method']}: differs from plain generate() on each source alone"
+        assert engine.num_kv_blocks_used == 0
+        accepted += engine.metrics.num_accepted_tokens
+        rejected += engine.metrics.num_draft_tokens - engine.metrics.num_accepted_tokens
+    assert accepted > 0 and rejected > 0, f"accepted {accepted}, rejected {rejected}: the test proves little"
 
 
 @pytest.mark.parametrize(
@@ -449,6 +511,62 @@ def test_sampling_matches_exact_distribution_and_fails_reading_the_source_paddin
     set_states = cache_class.set_encoder_states
     monkeypatch.setattr(cache_class, "set_encoder_states", lambda self, rows, out, mask: set_states(self, rows, out, None))
     assert chi_square_pvalue(samples(), exact) < 1e-3
+
+
+def test_engine_admits_sources_up_to_the_prefill_budget():
+    """With `prefill_chunk_size`, requests join while their sources hold that many tokens in all (one at least):
+    the encoder's runs bound a step's stall as prompt chunks do."""
+    model = families.build_tiny_encoder_decoder("t5")
+    sources = sources_of_their_own(model, 3)
+    assert [source["input_ids"].shape[1] for source in sources] == [10, 9, 5]
+    engine = hf_specdec.SpeculativeEngine(model, {"method": "ngram", "num_speculative_tokens": 2}, max_batch_size=4, prefill_chunk_size=12)
+    start = [model.generation_config.decoder_start_token_id]
+    for source in sources:
+        engine.add_request(start, {"max_new_tokens": 12, "min_new_tokens": 12}, model_inputs=source)
+    waiting = []
+    for _ in range(3):
+        engine.step()
+        waiting.append(engine.num_waiting)
+    assert waiting == [2, 1, 0]  # 10 alone; 9 (5 more would pass 12); 5
+
+
+def test_engine_sampled_requests_follow_the_exact_distribution_beside_longer_sources(monkeypatch):
+    """A 16-token BART in the engine, every row in one forward: requests for one short source, each beside requests
+    with a longer source (so the short one is padded in the batch), sampled with a sampled draft model; P(3 new
+    tokens) enumerated from plain generate()'s processed scores on the short source alone. Broken: the padded
+    batch's mask dropped, which must fail the same test."""
+    config = families.tiny_encoder_decoder_config("bart", init_scale=1.0)
+    config.vocab_size = SMALL_VOCAB_SIZE
+    model = families.build_tiny_encoder_decoder("bart", config=config)
+    check_architecture(model)
+    assert not runs_one_row_per_forward(model)
+    model.generation_config.eos_token_id = None
+    short, longer = torch.tensor([PROMPT]), torch.tensor([PROMPT + PROMPT[:3]])
+    start = [families.BOS_TOKEN_ID]  # the decoder's start
+    sampling = SETTINGS["temperature_topk_topp"]
+    exact = exact_decoder_distribution(model, short, torch.ones_like(short), start[0], sampling)
+    draft = {"method": "draft_model", "model": perturbed_copy(model, scale=0.3), "num_speculative_tokens": 2}
+    options = {"max_new_tokens": NEW_TOKENS, "do_sample": True, **sampling}
+
+    def samples(count: int) -> np.ndarray:
+        engine = hf_specdec.SpeculativeEngine(model, draft, max_batch_size=64)
+        wanted = set()
+        for seed in range(2 * count):
+            source = short if seed % 2 else longer
+            request = engine.add_request(start, options, seed=seed, model_inputs={"input_ids": source})
+            if seed % 2:
+                wanted.add(request)
+        out = []
+        while engine.has_unfinished():
+            out.extend(o.token_ids for o in engine.step() if o.finished and o.request_id in wanted)
+        assert engine.metrics.num_draft_tokens > engine.metrics.num_accepted_tokens > 0
+        return np.array(out)
+
+    right = chi_square_pvalue(samples(2000), exact)
+    stack = own_attention._stack_sources
+    monkeypatch.setattr(own_attention, "_stack_sources", lambda sources: (stack(sources)[0], None))
+    wrong = chi_square_pvalue(samples(500), exact)
+    assert right > 1e-3 and wrong < 1e-3, (right, wrong)
 
 
 def exact_decoder_distribution(model, source, mask, start: int, sampling: dict) -> dict[tuple[int, ...], float]:

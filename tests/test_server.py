@@ -560,6 +560,48 @@ def test_api_key(word_tokenizer):
         assert response.status_code == 400 and "no chat template" in response.json()["error"]["message"]
 
 
+def test_encoder_decoder_completions_read_the_prompt_as_the_source(word_tokenizer, tmp_path):
+    """A BART: each completion's prompt is its encoder's source, the decoder starts from its start token; four
+    at once (sources of other lengths, one batched decoder forward) each give plain generate()'s tokens for the
+    source alone, whole and streamed; usage counts the source; chat and a source too long are 400s."""
+    import families
+    from transformers import AutoModelForSeq2SeqLM
+
+    from hf_specdec.models.auto_class import generation_model_class
+
+    model = families.build_tiny_encoder_decoder("bart")
+    model.save_pretrained(tmp_path)  # a folder loads as the seq2seq model, not its decoder (BART is a causal LM too)
+    assert generation_model_class(tmp_path) is AutoModelForSeq2SeqLM
+    reference = copy.deepcopy(model)
+    engine = SpeculativeEngine(model, ngram_config(k=3), max_batch_size=4, tokenizer=word_tokenizer)
+    prompts = PROMPTS[:4]
+    expected = []
+    for prompt in prompts:
+        source = torch.tensor([ids(word_tokenizer, prompt)])
+        out = plain_generate(reference, input_ids=source, attention_mask=torch.ones_like(source), max_new_tokens=12, do_sample=False)
+        expected.append(out[0, 1:].tolist())  # after the decoder start token
+    with running_server(build_app(engine, word_tokenizer, "tiny-bart")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+        def complete(prompt):
+            return client.completions.create(model="tiny-bart", prompt=prompt, max_tokens=12, temperature=0)
+
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(complete, prompts))
+        for prompt, reply, tokens in zip(prompts, replies, expected):
+            assert reply.choices[0].text == word_tokenizer.decode(tokens, skip_special_tokens=True)
+            assert reply.usage.prompt_tokens == len(ids(word_tokenizer, prompt))
+            assert reply.usage.completion_tokens == len(tokens)
+        stream = client.completions.create(model="tiny-bart", prompt=prompts[1], max_tokens=12, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == replies[1].choices[0].text
+        assert engine.metrics.num_accepted_tokens > 0
+        response = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5"}]})
+        assert response.status_code == 400 and "encoder-decoder model" in response.json()["error"]["message"]
+        limit = model.config.max_position_embeddings
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": [5] * (limit + 1), "max_tokens": 2})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
 def test_incremental_text_holds_back_partial_characters_and_stop_strings():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -55,7 +55,6 @@ from .own_attention import (
     RowOwnAttentionCache,
     batches_plainly,
     encoder_input_name,
-    encoder_rows,
     generate_passes_position_ids,
     mark_own_attention,
 )
@@ -509,28 +508,49 @@ def _logits_problem(
     return ""
 
 
-def _probe_encoder_inputs(model: PreTrainedModel) -> tuple[Any, torch.Tensor] | None:
-    """For an encoder-decoder model, what its decoder reads of the probe rows' sources (None for other models):
-    its encoder's output (some decoders read more of it than the states: a downsampled mask, router logits)
-    over a random source of two rows, the second one's end masked out as padding (`_probe_sources`), and that
-    mask."""
+def _probe_encoder_inputs(model: PreTrainedModel) -> list[tuple[Any, torch.Tensor]] | None:
+    """For an encoder-decoder model, what its decoder reads of each probe row's source (None for other models):
+    its encoder's output (some decoders read more of it than the states: a downsampled mask, router logits) and
+    mask, over a random source (`_probe_sources`) for row 0 and the first half of another alone for row 1, so
+    that a batched cache pads row 1's (as the engine pads requests' sources of different lengths); both whole
+    where the encoder takes one length only (Whisper's 30 s)."""
     if not model.config.is_encoder_decoder:
         return None
     encoder = model.get_encoder()
-    outputs = mask = None
     for source, mask in _probe_sources(model, encoder):
-        try:
-            with torch.no_grad():
-                outputs = encoder(**{encoder_input_name(model): source.to(model.device), "attention_mask": mask.to(model.device)})
+        rows = _encoded_rows(model, encoder, source, mask)
+        if rows is not None:
+            return rows
+    # no layout fits: random states, which is all most decoders read
+    encoder_config = getattr(encoder, "config", model.config).get_text_config(encoder=True)
+    hidden_size = getattr(encoder_config, "d_model", None) or encoder_config.hidden_size
+    states = torch.randn((2, 6, hidden_size), generator=torch.Generator().manual_seed(1)).to(model.device, model.dtype)
+    return [
+        (BaseModelOutput(last_hidden_state=states[row : row + 1, :length]), torch.ones((1, length), dtype=torch.long, device=model.device))
+        for row, length in ((0, 6), (1, 3))
+    ]  # fmt: skip
+
+
+def _encoded_rows(
+    model: PreTrainedModel, encoder: torch.nn.Module, source: torch.Tensor, mask: torch.Tensor
+) -> list[tuple[Any, torch.Tensor]] | None:
+    """`_probe_encoder_inputs` for one layout of the sources: None if the encoder does not take it."""
+    full = mask.shape[1]
+    rows = []
+    for row, lengths in ((0, [full]), (1, [int(mask[1].sum()), full])):
+        for length in lengths:
+            row_source = source[row : row + 1, :length] if source.ndim == 3 and source.shape[1] == full else source[row : row + 1, ..., :length]
+            row_mask = torch.ones((1, length), dtype=torch.long, device=model.device)
+            try:
+                with torch.no_grad():
+                    outputs = encoder(**{encoder_input_name(model): row_source.to(model.device), "attention_mask": row_mask})
+            except (RuntimeError, ValueError, IndexError):  # a length or spectrogram layout the encoder does not take
+                continue
+            rows.append((outputs, row_mask))
             break
-        except (RuntimeError, ValueError, IndexError):  # a spectrogram layout the encoder does not take: the next
-            continue
-    if outputs is None:  # no layout fits: random states, which is all most decoders read
-        encoder_config = getattr(encoder, "config", model.config).get_text_config(encoder=True)
-        hidden_size = getattr(encoder_config, "d_model", None) or encoder_config.hidden_size
-        states = torch.randn((2, 6, hidden_size), generator=torch.Generator().manual_seed(1))
-        outputs, mask = BaseModelOutput(last_hidden_state=states.to(model.device, model.dtype)), torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
-    return outputs, mask.to(model.device)
+        if len(rows) == row:
+            return None
+    return rows
 
 
 def _padding_numbering(model: PreTrainedModel) -> int | None:
@@ -544,8 +564,8 @@ def _padding_numbering(model: PreTrainedModel) -> int | None:
     other = _probe_rows(model)[0][:2].clone()
     other[other == padding] = padding + 1
     tokens = torch.tensor([[int(other[0]), padding, int(other[1])]], device=model.device)
-    encoder_outputs, mask = _probe_encoder_inputs(model)
-    inputs = {"encoder_outputs": encoder_rows(encoder_outputs, [0], 2), "attention_mask": mask[:1]}
+    encoder_outputs, mask = _probe_encoder_inputs(model)[0]
+    inputs = {"encoder_outputs": encoder_outputs, "attention_mask": mask}
     with _probing(model):
         whole = model(decoder_input_ids=tokens, **inputs, use_cache=False).logits[0, -1].float()
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
@@ -667,15 +687,13 @@ def _own_attention_problem(
     encoder_inputs = []
     if encoder is not None:
         cache_class = EncoderDecoderRowCache if cache_class is RowOwnAttentionCache else EncoderDecoderBatchedCache
-        encoder_inputs = [
-            {"encoder_outputs": encoder_rows(encoder[0], [row], 2), "attention_mask": encoder[1][row : row + 1]} for row in range(2)
-        ]  # fmt: skip
+        encoder_inputs = [{"encoder_outputs": outputs, "attention_mask": mask} for outputs, mask in encoder]
     cache = cache_class(
         model, max_rollback=2, num_layers=model.config.get_text_config().num_hidden_layers, num_blocks=8, block_size=4,
         device=model.device,
     )  # fmt: skip
-    if encoder is not None:
-        cache.set_encoder_states([0, 1], *encoder)
+    for row, (outputs, mask) in enumerate(encoder or []):
+        cache.set_encoder_states([row], outputs, mask)
     fed_logits: list[list[torch.Tensor]] = [[], []]
     with _probing(model):
         for step in range(2):

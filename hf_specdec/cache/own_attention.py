@@ -437,17 +437,17 @@ class EncoderDecoderBatchedCache(BatchedOwnAttentionCache):
             module for name, module in model.get_decoder().named_modules() if name.split(".")[-1] == "embed_positions"
         ]  # fmt: skip
         self._cross_cache = DynamicCache()  # no config: see EncoderDecoderRowCache
-        self._encoder: tuple[Any, torch.Tensor | None, int] | None = None  # the batch's output, mask, batch size
-        self._encoder_index: dict[int, int] = {}  # row -> its index in that batch
-        self._slot_sources: list[int] = []  # the encoder batch index each slot's inputs and cross-attention hold
+        # per row: its encoder output and mask, a batch of one (`set_encoder_states`); rows join at any time
+        self._sources: dict[int, tuple[Any, torch.Tensor | None]] = {}
+        self._slot_sources: list[tuple[Any, torch.Tensor | None]] = []  # what each slot's inputs and cross keys hold
         self._slot_encoder: tuple[Any, torch.Tensor | None] | None = None
 
     def set_encoder_states(self, rows: Sequence[int], encoder_outputs: Any, attention_mask: torch.Tensor | None) -> None:
-        """As `EncoderDecoderRowCache.set_encoder_states`; once, for every row the cache will hold."""
-        if self._encoder is not None:
-            raise RuntimeError("EncoderDecoderBatchedCache takes the encoder output of one batch of rows, once")
-        self._encoder = (encoder_outputs, attention_mask, len(rows))
-        self._encoder_index = {row: index for index, row in enumerate(rows)}
+        """As `EncoderDecoderRowCache.set_encoder_states`: `generate()`'s whole batch at once, or the engine's
+        requests as they join (a source of another length is padded to the longest, its mask saying so)."""
+        for index, row in enumerate(rows):
+            row_mask = None if attention_mask is None else attention_mask[index : index + 1]
+            self._sources[row] = (encoder_rows(encoder_outputs, [index], len(rows)), row_mask)
 
     def prepare_forward(
         self, rows: list[int], num_new_tokens: list[int], tree_mask: np.ndarray | None = None
@@ -457,28 +457,35 @@ class EncoderDecoderBatchedCache(BatchedOwnAttentionCache):
         return metadata
 
     def _lay_out_encoder(self) -> None:
-        """The encoder output, its mask and the cross-attention keys by slot, where the slots changed (the batch
-        shrinks as rows finish). A free slot keeps what it held: its padding query reads something."""
-        missing = [row for row in self.slots if row is not None and row not in self._encoder_index]
-        if self._encoder is None or missing:
+        """The encoder output, its mask and the cross-attention keys by slot, where the slots changed (rows
+        finished or joined). A free slot keeps what it held: its padding query reads something."""
+        missing = [row for row in self.slots if row is not None and row not in self._sources]
+        if missing:
             raise RuntimeError(f"EncoderDecoderBatchedCache: rows {missing} have no encoder states (set_encoder_states)")
         laid_out = self._slot_sources
         sources = [
-            self._encoder_index[row] if row is not None else (laid_out[slot] if slot < len(laid_out) else 0)
+            self._sources[row] if row is not None else laid_out[slot] if slot < len(laid_out) else None
             for slot, row in enumerate(self.slots)
         ]  # fmt: skip
-        if sources == laid_out:
+        sources = [next(s for s in sources if s is not None) if s is None else s for s in sources]
+        if _same_sources(sources, laid_out):
             return
-        outputs, mask, batch_size = self._encoder
-        self._slot_encoder = (encoder_rows(outputs, sources, batch_size), None if mask is None else mask[sources])
+        old_width = None if self._slot_encoder is None else self._slot_encoder[0][0].shape[1]
+        self._slot_encoder = _stack_sources(sources)
         computed = [layer for layer in self._cross_cache.layers if getattr(layer, "keys", None) is not None]
-        if computed and set(sources) <= set(laid_out):  # the keys each slot needs were computed: move them
-            index = torch.tensor([laid_out.index(source) for source in sources], device=computed[0].keys.device)
+        old = [id(source[0]) for source in laid_out]
+        same_width = self._slot_encoder[0][0].shape[1] == old_width  # else every slot's keys are recomputed
+        if computed and same_width and all(id(source[0]) in old for source in sources):  # computed: move them
+            index = torch.tensor([old.index(id(source[0])) for source in sources], device=computed[0].keys.device)
             for layer in computed:
                 layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
         else:  # the next forward computes them from the slots' encoder states
             self._cross_cache = DynamicCache()
         self._slot_sources = sources
+
+    def free_row(self, row: int) -> None:
+        super().free_row(row)
+        self._sources.pop(row, None)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """While the prepared forward runs: the decoder's `embed_positions` (BART, Marian, Pegasus, M2M-100...)
@@ -501,6 +508,44 @@ class EncoderDecoderBatchedCache(BatchedOwnAttentionCache):
             "decoder_input_ids": input_ids, "decoder_attention_mask": self._mask, "encoder_outputs": encoder_outputs,
             "attention_mask": encoder_mask, "cache": EncoderDecoderCache(self.batch_cache, self._cross_cache), **positions,
         }  # fmt: skip
+
+
+def _same_sources(sources: list[tuple[Any, Any]], others: list[tuple[Any, Any]]) -> bool:
+    return len(sources) == len(others) and all(a[0] is b[0] for a, b in zip(sources, others))
+
+
+def _stack_sources(sources: list[tuple[Any, torch.Tensor | None]]) -> tuple[Any, torch.Tensor | None]:
+    """The rows' encoder outputs (batches of one) and masks as one batch, shorter ones padded at their end with
+    zeros (masked out), as a tokenizer pads a batch of sources; no mask where none was given and none is padded."""
+    outputs = _stack_padded([source[0] for source in sources])
+    masks = [source[1] for source in sources]
+    if all(mask is None for mask in masks) and len({source[0][0].shape[1] for source in sources}) == 1:
+        return outputs, None
+    masks = [
+        torch.ones(source[0][0].shape[:2], dtype=torch.long, device=source[0][0].device) if mask is None else mask
+        for source, mask in zip(sources, masks)
+    ]  # fmt: skip
+    return outputs, _stack_padded(masks)
+
+
+def _stack_padded(values: list[Any]) -> Any:
+    """`encoder_rows`' inverse over batches of one from several batches: every tensor concatenated, those that
+    differ only in their second dimension (along the source: states, masks) padded at its end with zeros first."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if not first.ndim or first.shape[0] != 1:
+            return first
+        if first.ndim >= 2:
+            width = max(value.shape[1] for value in values)
+            values = [torch.nn.functional.pad(v, [0, 0] * (v.ndim - 2) + [0, width - v.shape[1]]) for v in values]
+        if any(value.shape != values[0].shape for value in values):
+            raise ValueError(f"encoder outputs of shapes {sorted({tuple(v.shape) for v in values})} do not stack into one batch")
+        return torch.cat(values)
+    if isinstance(first, ModelOutput):
+        return type(first)(**{name: _stack_padded([value[name] for value in values]) for name in first.keys()})
+    if isinstance(first, (tuple, list)):
+        return type(first)(_stack_padded([value[i] for value in values]) for i in range(len(first)))
+    return first
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -198,14 +199,16 @@ class DraftModelProposer:
         self.picker = DraftTokenPicker(sampling or DraftSampling(), draft_model.device)
         self.cache: PagedKVCache | None = None
         self.cached_tokens: dict[int, np.ndarray] = {}  # per row: the tokens the draft cache holds
-        # an encoder-decoder draft: the batch's encoder output, mask and size (`encode_sources`), for its cache
-        self.encoder_states: tuple[object, torch.Tensor | None, int] | None = None
+        # an encoder-decoder draft: encoder outputs not yet handed to its cache, (rows, output, mask) (`encode_sources`)
+        self.encoder_states: list[tuple[list[int], object, torch.Tensor | None]] = []
 
     def encode_sources(
-        self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, generation_config: GenerationConfig
-    ) -> None:
-        """An encoder-decoder draft's own encoder over the batch's sources (generate()'s encoder inputs, as
-        transformers' assisted generation runs its assistant's): each row's output is what its decoder reads."""
+        self, rows: Sequence[int], inputs: torch.Tensor, attention_mask: torch.Tensor | None,
+        generation_config: GenerationConfig,
+    ) -> None:  # fmt: skip
+        """An encoder-decoder draft's own encoder over `rows`' sources (generate()'s encoder inputs, as
+        transformers' assisted generation runs its assistant's; or an engine request's as it joins): each row's
+        output is what its decoder reads from its next proposal on."""
         device = self.model.device
         mask = None if attention_mask is None else attention_mask.to(device)
         with torch.no_grad():
@@ -213,7 +216,12 @@ class DraftModelProposer:
                 inputs.to(device), {} if mask is None else {"attention_mask": mask}, encoder_input_name(self.model),
                 generation_config,
             )  # fmt: skip
-        self.encoder_states = (prepared["encoder_outputs"], mask, inputs.shape[0])
+        self.encoder_states.append((list(rows), prepared["encoder_outputs"], mask))
+
+    def _hand_over_sources(self, cache: PagedKVCache) -> None:
+        for rows, outputs, mask in self.encoder_states:
+            cache.set_encoder_states(rows, outputs, mask)
+        self.encoder_states.clear()
 
     def _ensure_cache(self, token_ids: list[np.ndarray]) -> PagedKVCache:
         if self.cache is None:
@@ -233,12 +241,9 @@ class DraftModelProposer:
                     "speculative_config.tree is not supported with a draft model that runs on its own attention "
                     "(it builds its own causal mask, which a tree's mask would replace)"
                 )
-            if self.model.config.is_encoder_decoder:
-                if self.encoder_states is None:
-                    raise ValueError("an encoder-decoder draft model needs its sources encoded first (encode_sources)")
-                outputs, mask, batch_size = self.encoder_states
-                cache.set_encoder_states(range(batch_size), outputs, mask)
             self.cache = cache
+        if self.encoder_states:
+            self._hand_over_sources(self.cache)
         return self.cache
 
     def _catch_up(self, row: int, context: np.ndarray) -> np.ndarray:

@@ -28,7 +28,12 @@ from ..cache.prefill import check_model_prefill, prefill_with_model, prompt_atte
 from ..config import SpeculativeConfig
 from ..sampling.grammar import with_speculative_grammars
 from ..sampling.logits_processing import StopChecker, check_supported_processors
-from .encoder_decoder import ENCODER_DECODER_INPUTS, check_encoder_decoder_request, hand_over_sources
+from .encoder_decoder import (
+    ENCODER_DECODER_INPUTS,
+    batch_sources,
+    check_encoder_decoder_request,
+    hand_over_sources,
+)
 from .engine import ASSISTED_OPTIONS, ENGINE_INPUTS, SpeculativeEngine, unsupported_option
 from .metrics import SpecDecodeMetrics
 from .step import DecodeState, SamplingState
@@ -108,7 +113,7 @@ def generate(
     if streamer is not None and speculative_streamer is not None:
         streamer.put(input_ids.cpu())
     if encoder_decoder:
-        hand_over_sources(engine, model_kwargs, inputs_tensor, generation_config)
+        hand_over_sources(engine, *batch_sources(engine, model_kwargs, inputs_tensor), generation_config)
     started = time.perf_counter()
     prefill_inputs = _prefill_inputs(model_kwargs)
     try:

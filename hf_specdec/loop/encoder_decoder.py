@@ -1,16 +1,20 @@
-"""Encoder-decoder models (BART, T5, Marian, Whisper, ...) in `generate()`.
+"""Encoder-decoder models (BART, T5, Marian, Whisper, ...) in `generate()` and the engine.
 
 transformers' `generate()` runs the encoder before it hands over to the decoding loop: the loop gets the
 decoder's `input_ids` (its start tokens, one length), the `encoder_outputs`, the encoder's `attention_mask`
-and, as `inputs_tensor`, the source the encoder read. Each row's decoder runs on its own attention over its
-slice of the encoder output (`cache/own_attention.py`, `EncoderDecoderRowCache`); an encoder-decoder draft
-model runs its own encoder on the same source, as transformers' assisted generation runs its assistant's;
-the n-gram lookup searches the source too where it is tokens of the decoder's vocabulary.
+and, as `inputs_tensor`, the source the encoder read. The engine runs the encoder on each request's source as it
+joins (`SpeculativeEngine._encode_source`). Either way `hand_over_sources` gives each row's encoder output to the
+decoder's own-attention cache (`cache/own_attention.py`: batched, or a row per forward); an encoder-decoder draft
+model runs its own encoder on the same source, as transformers' assisted generation runs its assistant's; the
+n-gram lookup searches the source too where it is tokens of the decoder's vocabulary.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,8 +23,10 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..config import SpeculativeConfig
 from ..drafters.draft_model import DraftModelProposer
 from ..drafters.ngram import NgramProposer
-from .engine import SpeculativeEngine
 from .step import drafters_of
+
+if TYPE_CHECKING:  # the engine hands its requests' sources over here
+    from .engine import SpeculativeEngine
 
 # what generate() hands an encoder-decoder model's decoding loop besides the decoder's tokens
 ENCODER_DECODER_INPUTS = ("encoder_outputs", "decoder_attention_mask", "decoder_position_ids")
@@ -30,12 +36,10 @@ ENCODER_DECODER_METHODS = ("ngram", "suffix", "draft_model")
 _SHARED_VOCABULARY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def check_encoder_decoder_request(
-    model: PreTrainedModel, config: SpeculativeConfig, inputs_tensor: torch.Tensor | None, model_kwargs: dict
-) -> None:
+def check_encoder_decoder_config(model: PreTrainedModel, config: SpeculativeConfig) -> None:
     """ValueError naming what an encoder-decoder target cannot speculate with: drafters built on a decoder-only
     target's hidden states or layers (EAGLE, MTP, layer_skip), draft trees (its decoder builds its own causal
-    mask), a draft model without the source, decoder inputs the loop cannot honour, no encoder output."""
+    mask)."""
     if config.method not in ENCODER_DECODER_METHODS:
         raise ValueError(
             f"speculative_config.method={config.method!r} is not supported on an encoder-decoder target; allowed: "
@@ -43,6 +47,14 @@ def check_encoder_decoder_request(
         )
     if config.tree is not None:
         raise ValueError("speculative_config.tree is not supported on an encoder-decoder target (its decoder builds its own causal mask)")
+
+
+def check_encoder_decoder_request(
+    model: PreTrainedModel, config: SpeculativeConfig, inputs_tensor: torch.Tensor | None, model_kwargs: dict
+) -> None:
+    """`check_encoder_decoder_config`, and ValueError naming what generate() was handed that the loop cannot
+    take: a draft model without the source, decoder inputs the loop cannot honour, no encoder output."""
+    check_encoder_decoder_config(model, config)
     if config.method == "draft_model" and (not _given_source(inputs_tensor) or model_kwargs.get("inputs_embeds") is not None):
         raise ValueError(
             "speculative_config.method='draft_model' on an encoder-decoder target needs the encoder's inputs "
@@ -66,22 +78,28 @@ def check_encoder_decoder_request(
 
 
 def hand_over_sources(
-    engine: SpeculativeEngine, model_kwargs: dict, inputs_tensor: torch.Tensor | None, generation_config: GenerationConfig
-) -> None:
-    """Before the first step of `generate()`'s batch: each row's slice of the encoder output and mask to the
-    target's cache, the source to an encoder-decoder draft (which encodes it) and, as tokens, to n-gram lookups."""
-    encoder_outputs, encoder_mask = model_kwargs["encoder_outputs"], model_kwargs.get("attention_mask")
-    batch_size = len(engine.state.finished)
-    if inputs_tensor is not None and len(inputs_tensor) != batch_size:  # num_return_sequences: each source repeated
-        inputs_tensor = inputs_tensor.repeat_interleave(batch_size // len(inputs_tensor), dim=0)
+    engine: SpeculativeEngine, rows: Sequence[int], encoder_outputs: Any, encoder_mask: torch.Tensor | None,
+    inputs_tensor: torch.Tensor | None, generation_config: GenerationConfig,
+) -> None:  # fmt: skip
+    """Before their first step (generate()'s whole batch, or an engine request as it joins): each row's encoder
+    output and mask (a batch in `rows`' order) to the target's cache, the source to an encoder-decoder draft
+    (which encodes it) and, as tokens, to n-gram lookups."""
     sources = source_tokens(engine.model, inputs_tensor, encoder_mask)
     for drafter in drafters_of(engine.proposer):
         if isinstance(drafter, DraftModelProposer):
-            drafter.encode_sources(inputs_tensor, encoder_mask, generation_config)
+            drafter.encode_sources(rows, inputs_tensor, encoder_mask, generation_config)
         if isinstance(drafter, NgramProposer):
-            for row, source in enumerate(sources):
+            for row, source in zip(rows, sources):
                 drafter.set_source(row, source)
-    engine.cache.set_encoder_states(range(batch_size), encoder_outputs, encoder_mask)
+    engine.cache.set_encoder_states(rows, encoder_outputs, encoder_mask)
+
+
+def batch_sources(engine: SpeculativeEngine, model_kwargs: dict, inputs_tensor: torch.Tensor | None) -> tuple:
+    """generate()'s encoder output, mask and source for its rows (`num_return_sequences` repeats each source)."""
+    batch_size = len(engine.state.finished)
+    if inputs_tensor is not None and len(inputs_tensor) != batch_size:
+        inputs_tensor = inputs_tensor.repeat_interleave(batch_size // len(inputs_tensor), dim=0)
+    return range(batch_size), model_kwargs["encoder_outputs"], model_kwargs.get("attention_mask"), inputs_tensor
 
 
 def source_tokens(model: PreTrainedModel, inputs_tensor: torch.Tensor | None, encoder_mask: torch.Tensor | None) -> list[np.ndarray]:
@@ -107,3 +125,19 @@ def _given_source(inputs_tensor: torch.Tensor | None) -> bool:
     """Whether generate() ran the encoder on a source (with `encoder_outputs` passed instead, its inputs_tensor
     is a placeholder of -100s)."""
     return inputs_tensor is not None and (inputs_tensor.is_floating_point() or not bool((inputs_tensor == -100).all()))
+
+
+def decoder_start_ids(model: PreTrainedModel) -> list[int]:
+    """The decoder prompt plain generate() begins an encoder-decoder model's output with when given none: its
+    decoder start token (the generation config's, else the model config's, as transformers resolves it)."""
+    config = copy.deepcopy(model.generation_config)
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
+    start = config._decoder_start_token_tensor
+    if start is None:
+        raise ValueError(f"{type(model).__name__} names no decoder_start_token_id (generation config or config)")
+    return [int(token) for token in start.flatten().tolist()]
+
+
+def source_limit(model: PreTrainedModel) -> int | None:
+    """The most tokens an encoder-decoder model's encoder reads (None: no limit its config states)."""
+    return getattr(model.config.get_text_config(encoder=True), "max_position_embeddings", None)

@@ -11,7 +11,9 @@ just its pending tokens, so its prefill rides in the next verify forward next to
 drafts, as the first step of `generate()` treats every prompt (with `prefill_chunk_size`, a long
 prompt rides along a chunk per step: `step.prompt_chunks`). A prompt with images (`model_inputs`), or any on a model whose prompt attends both ways, is
 prefilled at admission by the model's own forward instead, as `generate()` prefills one
-(`cache/prefill.py`), and its last token rides in the next step. Rows that finish or are aborted free
+(`cache/prefill.py`), and its last token rides in the next step. An encoder-decoder model's request brings
+its source instead (`model_inputs`): the model's encoder reads it at admission, and the decoder's cache and the
+drafters get its output (`encoder_decoder.hand_over_sources`). Rows that finish or are aborted free
 their KV blocks and drafter state at once, and the slot takes the next waiting request.
 
 Admission reserves the KV blocks a request can ever hold (prompt + max_new_tokens, plus a tree's
@@ -56,7 +58,7 @@ from transformers import (
 from transformers.generation import stopping_criteria as hf_stopping
 
 from ..cache.architectures import check_architecture
-from ..cache.own_attention import OwnAttentionCache, runs_one_row_per_forward
+from ..cache.own_attention import OwnAttentionCache, encoder_input_name, runs_one_row_per_forward
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
 from ..cache.prefill import (
@@ -80,6 +82,7 @@ from ..sampling.logits_processing import (
 )
 from .auto_k import controller_for
 from .auto_tree import AutoTreeController
+from .encoder_decoder import check_encoder_decoder_config, hand_over_sources, source_limit
 from .metrics import SpecDecodeMetrics
 from .step import DecodeState, SamplingState, drafter_networks, release_rows, speculative_step
 
@@ -202,12 +205,8 @@ class SpeculativeEngine:
                 "(its requests mix greedy and sampled rows); allowed: 'token'"
             )
         check_architecture(model)
-        if model.config.is_encoder_decoder:  # a request would need its source run through the encoder first
-            raise ValueError(
-                f"SpeculativeEngine: {type(model).__name__} is an encoder-decoder model, and requests carry decoder "
-                "prompts only; encoder-decoder models speculate through generate() (model.generate(input_ids / "
-                "input_features, speculative_config=...))"
-            )
+        if model.config.is_encoder_decoder:  # each request brings its source (`add_request`'s model_inputs)
+            check_encoder_decoder_config(model, config)
         if runs_one_row_per_forward(model) and max_batch_size > 1:
             warnings.warn(
                 f"this {type(model).__name__} runs on its own attention and cache, one forward per row: with several "
@@ -322,8 +321,12 @@ class SpeculativeEngine:
         processor, ...); a processor reading `input_ids` sees the prompt from column 0. `model_inputs`:
         the prompt's other inputs for an image-text-to-text model, as its processor returns them
         (`pixel_values`, `token_type_ids`, ...): the model's own forward prefills such a prompt, whole
-        (`prefill_chunk_size` does not split it; with it set, one such prompt joins per step). ValueError
-        naming the field for bad input.
+        (`prefill_chunk_size` does not split it; with it set, one such prompt joins per step). For an
+        encoder-decoder model (T5, BART, Marian, Whisper, ...) `prompt_ids` is the decoder's prompt (at least its
+        start token, `model.generation_config.decoder_start_token_id`, as plain `generate()` begins) and
+        `model_inputs` the source, a batch of one as the model's tokenizer or feature extractor returns it
+        (`input_ids` / `input_features` and its `attention_mask`): the model's encoder reads it at admission.
+        ValueError naming the field for bad input.
         """
         if self._row_processors is None:
             raise RuntimeError("this engine runs generate()'s fixed batch; it takes no requests")
@@ -359,12 +362,17 @@ class SpeculativeEngine:
             not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
         ):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} or None, got {logprobs!r}")
-        model_inputs, position_ids = self._check_model_inputs(model_inputs, prompt)
-        if model_inputs is None and prompt_attends_both_ways(self.model):
-            model_inputs = {}  # no other inputs, but the model's own forward prefills every prompt (`cache/prefill.py`)
-        problem = both_ways_prompt_problem(self.model, len(prompt))
-        if problem:
-            raise ValueError(f"prompt_ids: {problem}")
+        encoder_input_ids = torch.from_numpy(prompt)[None]  # what encoder-reading processors read (a source)
+        if self.model.config.is_encoder_decoder:
+            model_inputs, position_ids = self._check_source(model_inputs), None
+            encoder_input_ids = model_inputs[encoder_input_name(self.model)]
+        else:
+            model_inputs, position_ids = self._check_model_inputs(model_inputs, prompt)
+            if model_inputs is None and prompt_attends_both_ways(self.model):
+                model_inputs = {}  # no other inputs, but the model's own forward prefills every prompt (`cache/prefill.py`)
+            problem = both_ways_prompt_problem(self.model, len(prompt))
+            if problem:
+                raise ValueError(f"prompt_ids: {problem}")
         constraint = self._request_processors(logits_processor, prompt_width=len(prompt))
         if grammar is not None:
             constraint.append(SpeculativeGrammar([self._check_grammar(grammar)], prompt_width=len(prompt)))
@@ -375,7 +383,7 @@ class SpeculativeEngine:
         config.max_length = max_length  # what plain generate() derives from max_new_tokens
         # the grammar goes where generate() puts a user's processor: before the sampling warpers
         processors = self.model._get_logits_processor(
-            generation_config=config, input_ids_seq_length=len(prompt), encoder_input_ids=torch.from_numpy(prompt)[None],
+            generation_config=config, input_ids_seq_length=len(prompt), encoder_input_ids=encoder_input_ids,
             logits_processor=constraint, device=self.model.device, model_kwargs={},
         )  # fmt: skip
         check_supported_processors(processors)
@@ -427,6 +435,30 @@ class SpeculativeEngine:
         except (IndexError, RuntimeError) as error:  # the index arithmetic on inputs that do not fit the prompt
             raise ValueError(f"model_inputs do not fit the prompt: {error}") from None
         return given, position_ids
+
+    def _check_source(self, given: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """An encoder-decoder request's source (the encoder's inputs), on the model's device."""
+        name, model = encoder_input_name(self.model), type(self.model).__name__
+        if not isinstance(given, dict) or name not in given or not all(
+            isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in given.items()
+        ):
+            raise ValueError(
+                f"model_inputs: {model} is an encoder-decoder model; a request needs its source as "
+                f"model_inputs={{'{name}': a batch of one source, 'attention_mask': its mask (optional)}}"
+            )
+        for key, value in given.items():
+            if not value.ndim or value.shape[0] != 1:
+                raise ValueError(f"model_inputs['{key}'] must be a batch of one source (first dimension 1), got shape {tuple(value.shape)}")
+        source = given[name]
+        if name == "input_ids":
+            embeddings = self.model.get_encoder().get_input_embeddings()
+            vocab_size = getattr(embeddings, "num_embeddings", None) or self.model.config.get_text_config().vocab_size
+            if source.is_floating_point() or source.ndim != 2 or not source.numel() or source.min() < 0 or source.max() >= vocab_size:
+                raise ValueError(f"model_inputs['input_ids'] must be a [1, length] tensor of token ids in [0, {vocab_size})")
+            limit = source_limit(self.model)
+            if limit is not None and source.shape[1] > limit:
+                raise ValueError(f"model_inputs['input_ids']: the source has {source.shape[1]} tokens, the encoder takes {limit} at most")
+        return {key: value.to(self.model.device) for key, value in given.items()}
 
     def _check_grammar(self, grammar: object) -> object:
         if type(grammar).__name__ != "CompiledGrammar" or not type(grammar).__module__.startswith("xgrammar"):
@@ -563,14 +595,20 @@ class SpeculativeEngine:
     def _admit(self) -> list[RequestOutput]:
         """Start waiting requests, first come first served, while a row and their blocks are free. Returns
         the outputs of requests that failed to start (their model's own prefill raised)."""
-        failed, prefilled = [], False
+        failed, prefilled, encoded = [], False, 0  # encoded: source tokens run through an encoder-decoder's encoder
         free_rows = [row for row in range(self.max_batch_size) if row not in self._running]
         while self._waiting and free_rows:
             request = self._waiting[0]
             if self._reserved_blocks + request.num_blocks > self.cache.allocator.num_blocks:
                 break  # it waits for blocks that running requests will free
-            if prefilled and request.model_inputs is not None and self.prefill_chunk_size is not None:
-                break  # with chunked prefill, one image prefill per step: the running rows wait for one at most
+            if self.prefill_chunk_size is not None and request.model_inputs is not None:
+                if self.model.config.is_encoder_decoder:  # sources of prefill_chunk_size tokens a step (one at least)
+                    source_len = int(request.model_inputs[encoder_input_name(self.model)].shape[-1])
+                    if encoded and encoded + source_len > self.prefill_chunk_size:
+                        break
+                    encoded += source_len
+                elif prefilled:
+                    break  # with chunked prefill, one image prefill per step: the running rows wait for one at most
             self._waiting.popleft()
             row = free_rows.pop(0)
             state, length = self.state, len(request.prompt)
@@ -589,9 +627,12 @@ class SpeculativeEngine:
             if request.model_inputs is not None:
                 prefilled = True
                 try:
-                    self._prefill_with_model(row, request)
+                    if self.model.config.is_encoder_decoder:
+                        self._encode_source(row, request)
+                    else:
+                        self._prefill_with_model(row, request)
                 except Exception as error:  # the request's own inputs: it fails, the engine goes on
-                    logger.exception("the model's own prefill of request %s failed", request.request_id)
+                    logger.exception("the model's own prefill or encoder of request %s failed", request.request_id)
                     failed.append(self._fail_row(row, error))
                     free_rows.insert(0, row)
         return failed
@@ -609,6 +650,18 @@ class SpeculativeEngine:
         self.state.num_cached[row], self.state.position_offsets[row] = prefilled.num_cached[0], prefilled.position_offsets[0]
         if self.k_controller is not None:  # the next steps carry the drafter's catch-up: not decode steps
             self.k_controller.begin_call()
+
+    def _encode_source(self, row: int, request: _Request) -> None:
+        """An encoder-decoder request's source through the model's encoder, as plain generate() runs it before
+        decoding (the model's own attention and linears), handed to the decoder's cache and the drafters."""
+        self._pause_decoding()
+        name, inputs = encoder_input_name(self.model), dict(request.model_inputs)
+        source = inputs.pop(name)
+        with torch.no_grad():
+            prepared = self.model._maybe_prepare_encoder_kwargs_for_generation(
+                source, dict(inputs), name, self.model.generation_config
+            )
+        hand_over_sources(self, [row], prepared["encoder_outputs"], inputs.get("attention_mask"), source, self.model.generation_config)
 
     def _finish_reason(self, request: _Request, row: int) -> str:
         tokens = self.state.tokens(row)
@@ -695,9 +748,10 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> 
 
 
 def model_max_length(model: PreTrainedModel) -> int:
-    """The most positions the model takes (its config's max_position_embeddings; 2**20 when it has none)."""
-    config = model.config.get_text_config()
-    return int(getattr(config, "max_position_embeddings", None) or 2**20)
+    """The most positions the model (an encoder-decoder model's decoder) takes: its config's
+    max_position_embeddings or max_target_positions (Whisper); 2**20 when it has neither."""
+    config = model.config.get_text_config(decoder=True)
+    return int(getattr(config, "max_position_embeddings", None) or getattr(config, "max_target_positions", None) or 2**20)
 
 
 def _prompt_array(prompt_ids, vocab_size: int) -> np.ndarray:

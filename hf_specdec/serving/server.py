@@ -51,7 +51,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
 
+from ..cache.own_attention import encoder_input_name
 from ..config import SpeculativeConfig
+from ..loop.encoder_decoder import decoder_start_ids, source_limit
 from ..loop.engine import SpeculativeEngine
 from ..models.real_models import load_image_processor, load_target
 from ..sampling.penalties import OutputTokenPenalties
@@ -110,6 +112,14 @@ def build_app(
     base_config = engine.model.generation_config
     max_model_len = engine.max_model_len
     vocab_size = engine.model.config.get_text_config().vocab_size  # the logits' width
+    # an encoder-decoder model (T5, BART, Marian, ...): a completion's prompt is its encoder's source, and its decoder
+    # starts as plain generate() starts it
+    encoder_decoder = engine.model.config.is_encoder_decoder
+    if encoder_decoder and encoder_input_name(engine.model) != "input_ids":
+        raise ValueError(f"serve: {type(engine.model).__name__} reads {encoder_input_name(engine.model)}, not text; the "
+                         "server takes text sources (encoder-decoder models over audio or images: generate())")
+    decoder_start = decoder_start_ids(engine.model) if encoder_decoder else []
+    max_source_len = source_limit(engine.model) if encoder_decoder else None
     grammars = _GrammarCompiler(tokenizer, vocab_size)
 
     @app.exception_handler(APIError)
@@ -156,10 +166,20 @@ def build_app(
             _check_token_ids(body.prompt, len(tokenizer))
             prompt_ids = body.prompt
         max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        return await generate(request, body, prompt_ids, max_tokens, "prompt")
+        if not encoder_decoder:
+            return await generate(request, body, prompt_ids, max_tokens, "prompt")
+        if max_source_len is not None and len(prompt_ids) > max_source_len:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; the model's encoder reads {max_source_len} at most",
+                           "prompt", code="context_length_exceeded")  # fmt: skip
+        source = torch.tensor([prompt_ids])
+        return await generate(request, body, decoder_start, max_tokens, "prompt", prompt_tokens=len(prompt_ids),
+                              model_inputs={"input_ids": source, "attention_mask": torch.ones_like(source)})  # fmt: skip
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        if encoder_decoder:
+            raise APIError(400, f"the model {model_name!r} is an encoder-decoder model (its prompt is the source its encoder "
+                           "reads): use /v1/completions", "messages")  # fmt: skip
         if tokenizer.chat_template is None:
             raise APIError(400, f"the model {model_name!r} has no chat template: use /v1/completions", "messages")
         arguments = (body, tokenizer, engine.model.config.model_type)
@@ -185,8 +205,9 @@ def build_app(
 
     async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                        max_tokens: int, prompt_field: str, tools: ToolCalling | None = None,
-                       model_inputs: dict[str, torch.Tensor] | None = None) -> Response:
-        """`tools`: a chat request's (None: a completion). `model_inputs`: a prompt's images, processed."""
+                       model_inputs: dict[str, torch.Tensor] | None = None, prompt_tokens: int | None = None) -> Response:
+        """`tools`: a chat request's (None: a completion). `model_inputs`: a prompt's images, processed, or an
+        encoder-decoder model's source. `prompt_tokens`: what usage counts (default: `prompt_ids`)."""
         chat = tools is not None
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; allowed: {model_name!r}", "model",
@@ -196,7 +217,8 @@ def build_app(
         request_id = uuid.uuid4().hex
         config = generation_config_for(body, max_tokens, base_config)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        reply = _Reply(request_id, model_name, include_usage, prompt_ids, tools)
+        reply = _Reply(request_id, model_name, include_usage, prompt_ids, tools,
+                       len(prompt_ids) if prompt_tokens is None else prompt_tokens)  # fmt: skip
         parsed_as_streamed = body.stream and tools is not None and tools.streams_calls and not body.stop
         choices = [
             _Choice(index, request_id if body.n == 1 else f"{request_id}-{index}",
@@ -217,7 +239,7 @@ def build_app(
             """Each choice as one request, ended as it ended (`finish_reason` overrides: "error")."""
             endpoint = "chat_completions" if chat else "completions"
             reasons = [finish_reason or choice.finish_reason or choice.text.finish_reason or "abort" for choice in choices]
-            counters.finished(endpoint, reasons, len(prompt_ids), sum(c.text.completion_tokens for c in choices))
+            counters.finished(endpoint, reasons, reply.prompt_tokens, sum(c.text.completion_tokens for c in choices))
 
         try:  # a failure before the first token is an HTTP error, streamed or not
             first = await outputs.next()
@@ -252,7 +274,7 @@ def build_app(
         if any(choice.text.finish_reason is None for choice in choices):
             count()
             return Response(status_code=CLIENT_GONE)
-        whole = reply.whole(choices, len(prompt_ids))
+        whole = reply.whole(choices, reply.prompt_tokens)
         count()
         return JSONResponse(whole)
 
@@ -568,11 +590,11 @@ class IncrementalText:
 
 class _Reply:
     """OpenAI's response JSON for one request: the whole of it, or its server-sent events. `tools`: a
-    chat request's (None: a completion)."""
+    chat request's (None: a completion). `prompt_tokens`: what usage counts of the prompt."""
 
     def __init__(self, request_id: str, model_name: str, include_usage: bool, prompt_ids: list[int],
-                 tools: ToolCalling | None) -> None:  # fmt: skip
-        self.chat = tools is not None
+                 tools: ToolCalling | None, prompt_tokens: int) -> None:  # fmt: skip
+        self.chat, self.prompt_tokens = tools is not None, prompt_tokens
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
         self.model_name, self.include_usage, self.prompt_ids, self.tools = model_name, include_usage, prompt_ids, tools
         self.created = int(time.time())
@@ -682,7 +704,7 @@ async def _events(first: Any, outputs: _EngineOutputs, choices: list[_Choice], b
                 if all(c.text.finish_reason is not None for c in choices):
                     if reply.include_usage:
                         completion_tokens = sum(c.text.completion_tokens for c in choices)
-                        yield reply.usage_chunk(output.prompt_len, completion_tokens)
+                        yield reply.usage_chunk(reply.prompt_tokens, completion_tokens)
                     yield DONE_EVENT
                     return
             output = await outputs.next()
