@@ -3,8 +3,8 @@
 No real encoder-decoder checkpoint reaches these machines (PyPI carries none in Hugging Face format), so the
 models are random weights shaped like BART-base (6 + 6 layers, d_model 768, vocabulary 50265), T5-small (6 + 6
 layers, d_model 512, vocabulary 32128) and Whisper-base (6 + 6 layers, d_model 512, 80 mel bins): their
-acceptance says nothing, their step costs do. BART's decoder runs one row per forward, T5's and Whisper's every
-row in one (`EncoderDecoderBatchedCache`). Two workloads:
+acceptance says nothing, their step costs do. Each decoder runs every row in one forward
+(`EncoderDecoderBatchedCache`). Two workloads:
 
 - `free`: the model's own greedy output. Arms: plain `generate()`, plain with our CPU linears, ours drafting
   nothing (`disable_by_batch_size: 1`: what the loop itself costs per step, the row's own cache and encoder
@@ -15,6 +15,12 @@ row in one (`EncoderDecoderBatchedCache`). Two workloads:
 
 Interleaved per batch in one process (order rotated each repeat), fp32, greedy, `--max-new-tokens` each,
 medians over `--repeats`; every arm of ours must give plain `generate()`'s tokens (checked, reported).
+
+`--engine-requests N` adds the serving case (`SpeculativeEngine`, BART and T5, `copy`): N requests with sources
+of different lengths (100-200 tokens) queued at once, `--engine-concurrency` rows at a time, each joining as
+another finishes (its source through the encoder as it joins). Arms: the engine speculating with the n-gram
+drafter, the same engine drafting nothing, and plain `generate()` over the requests in fixed batches of the
+concurrency (each batch padded to its longest source).
 
     python benchmarks/bench_encoder_decoder.py --out benchmarks/bench_encoder_decoder.json
 """
@@ -103,6 +109,41 @@ def arms(model, inputs: dict, options: dict, workload: str) -> dict:
     return out
 
 
+def engine_arms(model, requests: list[torch.Tensor], concurrency: int, max_new_tokens: int) -> dict:
+    """The serving case: every request queued at once, `concurrency` rows at a time (see the module doc)."""
+    start = model.generation_config.decoder_start_token_id
+    options = {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens, "do_sample": False}
+
+    def engine(config) -> list[list[int]]:
+        engine = hf_specdec.SpeculativeEngine(model, config, max_batch_size=concurrency)
+        ids = [
+            engine.add_request([start, int(source[0, 0])], options, model_inputs={"input_ids": source},
+                               logits_processor=[CopySource(source)])
+            for source in requests
+        ]  # fmt: skip
+        done = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        return [done[i] for i in ids]
+
+    def plain() -> list[list[int]]:
+        out = []
+        for first in range(0, len(requests), concurrency):
+            batch = requests[first : first + concurrency]
+            width = max(source.shape[1] for source in batch)
+            ids = torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=model.config.pad_token_id) for s in batch])
+            mask = torch.cat([torch.nn.functional.pad(torch.ones_like(s), (0, width - s.shape[1])) for s in batch])
+            decoder = torch.stack([torch.full((len(batch),), start), ids[:, 0]], 1)
+            with torch.no_grad():
+                tokens = model.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder,
+                                        logits_processor=[CopySource(ids)], **options)  # fmt: skip
+            out.extend(row[2:].tolist() for row in tokens)
+        return out
+
+    return {"plain generate(), fixed batches": plain, "engine, drafting nothing": lambda: engine(None),
+            "engine, n-gram": lambda: engine(NGRAM)}  # fmt: skip
+
+
 def one_row_per_forward(model, inputs: dict, options: dict) -> torch.Tensor:
     """Ours with n-gram drafts as a decoder that cannot be batched runs (`EncoderDecoderRowCache`): the batched
     decoder's gain, measured on the same model."""
@@ -119,14 +160,19 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=None, help="a subset of: bart-base-shaped t5-small-shaped whisper-base-shaped")
+    parser.add_argument("--engine-requests", type=int, default=0, help="the serving case: this many requests (0: off)")
+    parser.add_argument("--engine-concurrency", type=int, default=4)
+    parser.add_argument("--only-engine", action="store_true", help="the serving case alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
     results = []
+    if args.engine_requests:
+        results += engine_results(args)
     for name, model in models().items():
         if args.models and name not in args.models:
             continue
-        for workload in ("free",) if name.startswith("whisper") else ("free", "copy"):
+        for workload in () if args.only_engine else ("free",) if name.startswith("whisper") else ("free", "copy"):
             for batch_size in args.batch_sizes:
                 inputs = sources(name, model, batch_size)
                 options = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False)
@@ -159,6 +205,41 @@ def main() -> None:
         with open(args.out, "w") as file:
             json.dump({"machine": _cpu_name(), "python": platform.python_version(), "args": vars(args),
                        "results": results}, file, indent=1)  # fmt: skip
+
+
+def engine_results(args) -> list[dict]:
+    rows = []
+    for name, model in models().items():
+        if name.startswith("whisper") or (args.models and name not in args.models):
+            continue
+        generator = torch.Generator().manual_seed(0)
+        requests = []
+        for index in range(args.engine_requests):
+            length = int(torch.randint(100, 201, (1,), generator=generator))
+            source = torch.randint(4, model.config.vocab_size, (1, length), generator=generator)
+            source[0, 0] = 4 + index  # distinct first tokens (`CopySource`)
+            requests.append(source)
+        runs = engine_arms(model, requests, args.engine_concurrency, args.max_new_tokens)
+        outputs = {arm: run() for arm, run in runs.items()}  # warm-up, and the tokens
+        seconds = interleaved_seconds(runs, args.repeats)
+        tokens = args.engine_requests * args.max_new_tokens
+        tps = {arm: tokens / statistics.median(s) for arm, s in seconds.items()}
+        base = "plain generate(), fixed batches"
+        row = {
+            "model": name, "workload": "engine, copy", "requests": args.engine_requests,
+            "concurrency": args.engine_concurrency, "tokens_per_second": tps,
+            "x_plain_fixed_batches": {arm: tps[arm] / tps[base] for arm in runs if arm != base},
+            "x_engine_drafting_nothing": tps["engine, n-gram"] / tps["engine, drafting nothing"], "seconds": seconds,
+            "identical_to_plain": {arm: outputs[arm] == outputs[base] for arm in runs if arm != base},
+        }  # fmt: skip
+        print(
+            f"{name} engine, {args.engine_requests} requests at concurrency {args.engine_concurrency}: "
+            + ", ".join(f"{arm} {tps[arm]:.1f} tok/s" for arm in runs)
+            + f"; n-gram {row['x_engine_drafting_nothing']:.2f}x the engine drafting nothing; identical {row['identical_to_plain']}",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

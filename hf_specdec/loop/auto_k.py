@@ -40,10 +40,14 @@ fixed k when it started from the priors in every call). `forget(model)` starts i
   SmolLM2 forward of 1 / 2 / 3 / 4 tokens takes 44 / 48 / 51 / 74 ms (torch's BLAS up to 3 rows,
   another route above), and at batch 8 the verify crosses the fast kernel's row limit between
   k=1 and k=2. One c fitted to the steps taken mispredicts the ks not taken, in both directions.
-  So each (active rows, k) also keeps the measured cost of its own steps, t_step / t_plain_step:
-  it starts from the line's price (weighing as one step), and each later step at that k counts
-  more than the ones before (the same decay). k is chosen on those costs. A k never run is priced
-  by the line, so a k that looks cheap there gets tried and from then on priced by what it cost.
+  So each (active rows, k) also keeps the measured time of its own steps, and its cost is that over
+  the plain step's time, divided when k is chosen: it starts from the line's price (weighing as one
+  step), and each later step at that k counts more than the ones before (the same decay). k is
+  chosen on those costs. A k never run is priced by the line, so a k that looks cheap there gets
+  tried and from then on priced by what it cost. Dividing when k is chosen, not when a step is
+  recorded, keeps one plain step's noise out of the comparison between ks: a CPU VM's steps vary by
+  10-20%, plain steps come one in `probe_interval`, and a k priced on a plain step that ran fast
+  looked dear until it ran again, which, looking dear, it did not.
 - t_plain_step: the loop's own steps that drafted nothing (no n-gram match, or k = 0), kept per
   number of active rows (rows leave the batch as they finish). When none is recent, the step
   is forced to k = 0: a probe costing one step's worth of drafts. A batch size not measured yet
@@ -54,7 +58,13 @@ fixed k when it started from the priors in every call). `forget(model)` starts i
   the next one is where a drafter catches up on them (an EAGLE head's forward over every prompt
   position: SmolLM2's head at batch 8 took 450 ms there against 100 ms for a decode step, which
   priced k = 2 at 3.4 plain steps and turned drafting off for the rest of the run). Neither says
-  what a decode step costs: their times are not used (their acceptance is).
+  what a decode step costs: their times are not used (their acceptance is). Nor is the time of the
+  first step that drafts after a step that did not: an EAGLE head leaves the features of steps
+  without drafts waiting and feeds them all in that step. Timed, it priced the k it ran at what the
+  steps before it had put off, the dearer the longer auto k had stayed off; a k so priced was not
+  chosen again, so not measured again: on an AMD EPYC Zen 4, SmolLM2's EAGLE-3 head at batch 1 had
+  k = 1 priced at 1.47 plain steps against the 1.06 its steps cost, drafted nothing in 42% of its
+  steps and reached 87-90% of fixed k = 1.
 - Off only when even an optimistic alpha (`optimistic_alpha`: one standard error above the
   estimate, the decayed trial count as the sample size) predicts no k above 1; k itself is chosen
   on the estimate. A few early rejections (EAGLE-3 on SmolLM2 at batch 1: its first four drafts
@@ -62,7 +72,11 @@ fixed k when it started from the priors in every call). `forget(model)` starts i
   `probe_interval` steps brought it back only after hundreds of steps (auto k at 90% of the best
   fixed k on that run).
 - While speculation is off, every `probe_interval` steps one step drafts anyway, at the k the
-  formula ranks best, so a text that became predictable turns it back on.
+  formula ranks best, so a text that became predictable turns it back on. While it is on, halfway
+  between plain probes, a step runs at k - 1 or k + 1 where that was not timed for `probe_interval`
+  steps: each k's price is its own steps', and a k that ran slow once (a CPU VM's steps vary by
+  10-20%) would otherwise never be timed again. On the Zen 4 run above, with the catch-up untimed,
+  k = 1 was still priced at 1.3-1.5 plain steps from its first few steps, and k = 2 ran 86% of them.
 - A fixed batch (generate()'s, not the engine's) ends when its last row does, so what a step is worth
   there is the progress of the row furthest from its end (`next_k(last_row=...)`): the others'
   extra tokens only finish them sooner. k is chosen on that row's own alpha, where a step in which it
@@ -85,6 +99,8 @@ UNTIMED_STEPS = 2
 # a batch size without its own plain step time borrows the nearest measured size's when it is
 # within this fraction of it (module docstring)
 PLAIN_BORROW_RANGE = 0.25
+# weight kept by earlier plain step times per plain step (one comes every `probe_interval` steps or so)
+PLAIN_DECAY = 0.7
 
 
 def predicted_speedup(alpha: float, c: float, k: int) -> float:
@@ -191,12 +207,14 @@ class AutoKController:
         self._alpha = DecayedRatio(alpha_prior * prior_weight, prior_weight, decay)
         self._c_prior, self._prior_weight, self._decay = c_prior, prior_weight, decay
         self._c: dict[int, DecayedRatio] = {}  # by number of active rows
-        self._step_cost: dict[tuple[int, int], DecayedRatio] = {}  # by (active rows, k): t_step / t_plain_step
+        self._step_seconds: dict[tuple[int, int], DecayedRatio] = {}  # by (active rows, k): seconds per step
+        self._timed_at: dict[tuple[int, int], int] = {}  # by (active rows, k): the step that last timed one
         self._plain: dict[int, PlainStepTime] = {}  # by number of active rows
         self._row_alpha: dict[int, DecayedRatio] = {}  # this batch's rows, a step without drafts a rejection
         self._steps = 0  # steps recorded so far
         self._last_drafted_step = 0
         self._untimed_steps = UNTIMED_STEPS  # steps left whose time says nothing about decoding
+        self._drafted_last_step = True  # False: the next step that drafts feeds what this one put off (untimed)
 
     def begin_batch(self) -> None:
         """A generate() call (or an engine) starts: `begin_call`, and its rows' own alphas start afresh."""
@@ -226,10 +244,12 @@ class AutoKController:
         return estimate
 
     def step_cost(self, num_rows: int, k: int) -> float:
-        """Estimated cost of a step with k drafts at `num_rows` active rows, in plain steps: measured
-        where steps with that k ran, else the line 1 + c k."""
-        measured = self._step_cost.get((num_rows, k))
-        return 1 + self.c(num_rows) * k if measured is None else measured.value
+        """Estimated cost of a step with k drafts at `num_rows` active rows, in plain steps: its steps' time
+        over the plain step's, where steps with that k ran, else the line 1 + c k."""
+        measured, plain = self._step_seconds.get((num_rows, k)), self._plain_time(num_rows)
+        if measured is None or plain is None:
+            return 1 + self.c(num_rows) * k
+        return measured.value / plain.seconds.value
 
     def _plain_time(self, num_rows: int) -> PlainStepTime | None:
         """The plain step time at `num_rows` rows: measured there, or borrowed from the nearest
@@ -260,7 +280,16 @@ class AutoKController:
             return 0
         if k == 0 and self._steps - self._last_drafted_step >= self.probe_interval:
             return best_k_for_costs(alpha, costs)
+        if k and self._steps % self.probe_interval == self.probe_interval // 2:  # halfway between plain probes
+            return self._neighbour_to_time(num_rows, k)
         return k
+
+    def _neighbour_to_time(self, num_rows: int, k: int) -> int:
+        """k - 1 or k + 1, whichever was timed longer ago, where that is `probe_interval` steps or more (else k):
+        a k priced on a few slow steps is not chosen, so not timed again, unless it is tried now and then."""
+        neighbours = [n for n in (k - 1, k + 1) if 1 <= n <= self.k_max]
+        oldest = min(neighbours, key=lambda n: self._timed_at.get((num_rows, n), -self.probe_interval), default=k)
+        return oldest if self._steps - self._timed_at.get((num_rows, oldest), -self.probe_interval) >= self.probe_interval else k
 
     def record_step(
         self, seconds: float, k: int, num_draft_tokens: Sequence[int], num_accepted: Sequence[int],
@@ -282,23 +311,27 @@ class AutoKController:
         drafted_per_row = sum(num_draft_tokens) / len(num_draft_tokens)
         if drafted_per_row > 0:
             self._last_drafted_step = self._steps
+        catching_up, self._drafted_last_step = drafted_per_row > 0 and not self._drafted_last_step, drafted_per_row > 0
         if self._untimed_steps:
             self._untimed_steps -= 1
+            return
+        if catching_up:  # its time holds what the steps without drafts put off (module docstring)
             return
         num_rows = len(num_draft_tokens)
         plain = self._plain.get(num_rows)
         if drafted_per_row == 0:
             if plain is None:
-                self._plain[num_rows] = PlainStepTime(DecayedRatio(seconds, 1.0, 0.5), self._steps)
-            else:  # recent plain steps dominate: the context, and with it the step time, grows
+                self._plain[num_rows] = PlainStepTime(DecayedRatio(seconds, 1.0, PLAIN_DECAY), self._steps)
+            else:  # recent plain steps weigh more (`PLAIN_DECAY`): the context, and with it the step time, grows
                 plain.seconds.update(seconds, 1.0)
                 plain.last_step = self._steps
         elif (plain := self._plain_time(num_rows)) is not None:
             cost = seconds / plain.seconds.value
             key = (num_rows, k)
-            if key not in self._step_cost:  # starts from the line's price, weighing as one step
-                self._step_cost[key] = DecayedRatio(self.step_cost(*key), 1.0, self._decay)
-            self._step_cost[key].update(cost, 1.0)
+            if key not in self._step_seconds:  # starts from the line's price, weighing as one step
+                self._step_seconds[key] = DecayedRatio(self.step_cost(*key) * plain.seconds.value, 1.0, self._decay)
+            self._step_seconds[key].update(seconds, 1.0)
+            self._timed_at[key] = self._steps
             # weighted by k_drafted: a step that drafted little says little about the cost per draft
             self._c_estimate(num_rows).update(cost - 1.0, drafted_per_row)
 
