@@ -20,7 +20,7 @@ medians over `--repeats`; every arm of ours must give plain `generate()`'s token
 of different lengths (100-200 tokens) queued at once, `--engine-concurrency` rows at a time, each joining as
 another finishes (its source through the encoder as it joins). Arms: the engine speculating with the n-gram
 drafter, the same engine drafting nothing, and plain `generate()` over the requests in fixed batches of the
-concurrency (each batch padded to its longest source).
+concurrency (each batch padded to its longest source), with torch's linears and with ours.
 
     python benchmarks/bench_encoder_decoder.py --out benchmarks/bench_encoder_decoder.json
 """
@@ -126,7 +126,7 @@ def engine_arms(model, requests: list[torch.Tensor], concurrency: int, max_new_t
             done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
         return [done[i] for i in ids]
 
-    def plain() -> list[list[int]]:
+    def plain(fast: bool) -> list[list[int]]:
         out = []
         for first in range(0, len(requests), concurrency):
             batch = requests[first : first + concurrency]
@@ -134,14 +134,14 @@ def engine_arms(model, requests: list[torch.Tensor], concurrency: int, max_new_t
             ids = torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=model.config.pad_token_id) for s in batch])
             mask = torch.cat([torch.nn.functional.pad(torch.ones_like(s), (0, width - s.shape[1])) for s in batch])
             decoder = torch.stack([torch.full((len(batch),), start), ids[:, 0]], 1)
-            with torch.no_grad():
+            with torch.no_grad(), fast_cpu_linears(model) if fast else torch.no_grad():
                 tokens = model.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder,
                                         logits_processor=[CopySource(ids)], **options)  # fmt: skip
             out.extend(row[2:].tolist() for row in tokens)
         return out
 
-    return {"plain generate(), fixed batches": plain, "engine, drafting nothing": lambda: engine(None),
-            "engine, n-gram": lambda: engine(NGRAM)}  # fmt: skip
+    return {"plain generate(), fixed batches": lambda: plain(False), "the same, same CPU linears": lambda: plain(True),
+            "engine, drafting nothing": lambda: engine(None), "engine, n-gram": lambda: engine(NGRAM)}  # fmt: skip
 
 
 def one_row_per_forward(model, inputs: dict, options: dict) -> torch.Tensor:
@@ -229,6 +229,7 @@ def engine_results(args) -> list[dict]:
             "model": name, "workload": "engine, copy", "requests": args.engine_requests,
             "concurrency": args.engine_concurrency, "tokens_per_second": tps,
             "x_plain_fixed_batches": {arm: tps[arm] / tps[base] for arm in runs if arm != base},
+            "x_plain_fixed_batches_same_linears": {arm: tps[arm] / tps["the same, same CPU linears"] for arm in runs},
             "x_engine_drafting_nothing": tps["engine, n-gram"] / tps["engine, drafting nothing"], "seconds": seconds,
             "identical_to_plain": {arm: outputs[arm] == outputs[base] for arm in runs if arm != base},
         }  # fmt: skip

@@ -662,6 +662,8 @@ class SpeculativeEngine:
                 source, dict(inputs), name, self.model.generation_config
             )
         hand_over_sources(self, [row], prepared["encoder_outputs"], inputs.get("attention_mask"), source, self.model.generation_config)
+        if self.k_controller is not None:  # the next step computes the slots' cross-attention keys: not a decode step
+            self.k_controller.begin_call()
 
     def _finish_reason(self, request: _Request, row: int) -> str:
         tokens = self.state.tokens(row)
