@@ -55,6 +55,7 @@ from .own_attention import (
     RowOwnAttentionCache,
     batches_plainly,
     encoder_input_name,
+    encoder_token_embeddings,
     generate_passes_position_ids,
     mark_own_attention,
 )
@@ -585,8 +586,8 @@ def _probe_sources(model: PreTrainedModel, encoder: torch.nn.Module) -> list[tup
     def padded(length: int) -> torch.Tensor:
         return torch.tensor([[1] * length, [1] * (length // 2) + [0] * (length - length // 2)])
 
-    if name == "input_ids":  # (FSMT's encoder has no get_input_embeddings)
-        vocab = (getattr(encoder, "embed_tokens", None) or encoder.get_input_embeddings()).num_embeddings
+    if name == "input_ids":
+        vocab = encoder_token_embeddings(encoder).num_embeddings
         return [(torch.randint(3, vocab, (2, 6), generator=generator), padded(6))]
     if name == "input_values":
         return [(torch.randn((2, 2400), generator=generator), padded(2400))]

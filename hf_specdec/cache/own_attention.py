@@ -253,6 +253,11 @@ def encoder_input_name(model: torch.nn.Module) -> str:
     return getattr(model.get_encoder(), "main_input_name", model.main_input_name)
 
 
+def encoder_token_embeddings(encoder: torch.nn.Module) -> torch.nn.Module:
+    """An encoder's token embedding table (FSMT's encoder has `embed_tokens` but no get_input_embeddings)."""
+    return getattr(encoder, "embed_tokens", None) or encoder.get_input_embeddings()
+
+
 def encoder_rows(encoder_outputs: Any, indices: Sequence[int], batch_size: int) -> Any:
     """Rows `indices` of a batch's encoder output (a `ModelOutput`, or the tuple a caller passed), in that order:
     every tensor whose first dimension is the batch, indexed so, in the same container (fields such as MoE router

@@ -58,7 +58,12 @@ from transformers import (
 from transformers.generation import stopping_criteria as hf_stopping
 
 from ..cache.architectures import check_architecture
-from ..cache.own_attention import OwnAttentionCache, encoder_input_name, runs_one_row_per_forward
+from ..cache.own_attention import (
+    OwnAttentionCache,
+    encoder_input_name,
+    encoder_token_embeddings,
+    runs_one_row_per_forward,
+)
 from ..cache.paged_attention import use_paged_attention
 from ..cache.paged_cache import PagedKVCache
 from ..cache.prefill import (
@@ -451,7 +456,7 @@ class SpeculativeEngine:
                 raise ValueError(f"model_inputs['{key}'] must be a batch of one source (first dimension 1), got shape {tuple(value.shape)}")
         source = given[name]
         if name == "input_ids":
-            embeddings = self.model.get_encoder().get_input_embeddings()
+            embeddings = encoder_token_embeddings(self.model.get_encoder())
             vocab_size = getattr(embeddings, "num_embeddings", None) or self.model.config.get_text_config().vocab_size
             if source.is_floating_point() or source.ndim != 2 or not source.numel() or source.min() < 0 or source.max() >= vocab_size:
                 raise ValueError(f"model_inputs['input_ids'] must be a [1, length] tensor of token ids in [0, {vocab_size})")
