@@ -30,7 +30,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from ..cache.forward import forward_tokens
 from ..cache.paged_cache import PagedKVCache
 from ..config import SpeculativeConfig
-from ..sampling.logits_processing import _POSITION_FREE
+from ..sampling.logits_processing import _POSITION_FREE, apply_position_free
 from ..transfer import to_device
 from .base import ProposeRequest
 
@@ -119,7 +119,7 @@ class DraftTokenPicker:
         # position-free warpers ignore input_ids; they still take a [rows, length] tensor
         placeholder_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
         for warper in sampling.warpers:
-            scores = warper(placeholder_ids, scores)
+            scores = apply_position_free(warper, placeholder_ids, scores, logits)
         return scores
 
     def pick(self, logits: torch.Tensor, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

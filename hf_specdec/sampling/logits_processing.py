@@ -16,11 +16,12 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation import logits_process, stopping_criteria
 
 from ..transfer import to_device
 from .grammar import SpeculativeGrammar, row_grammars
+from .top_p import warp_top_p
 
 # Processors whose output does not depend on input_ids: one call covers every position.
 _POSITION_FREE = tuple(
@@ -71,6 +72,17 @@ def check_supported_processors(logits_processor: LogitsProcessorList) -> None:
             )
 
 
+def apply_position_free(
+    processor: LogitsProcessor, input_ids: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor
+) -> torch.Tensor:
+    """`processor(input_ids, scores)` for a processor in `_POSITION_FREE`; top-p over the tokens still in play
+    (`top_p.py`), writing into `scores` where it does not share the memory of `logits` (the caller's)."""
+    if type(processor) is logits_process.TopPLogitsWarper:
+        owned = scores.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
+        return warp_top_p(processor, input_ids, scores, in_place=owned)
+    return processor(input_ids, scores)
+
+
 def _for_rows(processor, batch_rows: np.ndarray):
     """The processor as it applies to these batch rows.
 
@@ -118,14 +130,14 @@ def process_logits(
             scores = processor.process(scores, token_buffer, buffer_rows, prefix_lens, batch_rows)
             continue
         if isinstance(processor, _POSITION_FREE):
-            scores = processor(to_device([token_buffer[:1].numpy()], scores.device)[0], scores)
+            scores = apply_position_free(processor, to_device([token_buffer[:1].numpy()], scores.device)[0], scores, logits)
             continue
         processed = torch.empty_like(scores)
 
         def apply(input_ids: torch.Tensor, positions: np.ndarray, processor=processor, scores=scores, out=processed):
             index, input_ids = to_device([positions, input_ids.numpy()], scores.device)
             row_processor = _for_rows(processor, batch_rows[positions])
-            out[index] = row_processor(input_ids, scores[index].clone())
+            out[index] = row_processor(input_ids, scores[index])  # (indexing by a tensor copies)
 
         _by_prefix_length(token_buffer, buffer_rows, prefix_lens, apply)
         scores = processed
