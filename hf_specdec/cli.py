@@ -130,6 +130,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="sample every arm at this temperature (default: greedy); rows are then not compared with plain",
     )
+    bench.add_argument("--top-p", type=float, help="with --temperature: every arm's top-p (default: the model's generation config)")
+    bench.add_argument("--top-k", type=int, help="with --temperature: every arm's top-k (default: the model's generation config)")
     bench.add_argument("--out", help="write the results as JSON here")
     bench.add_argument("--png", help="write speedup vs k (measured and predicted) here")
     bench.add_argument("--dtype", choices=DTYPES, default="auto")
@@ -362,12 +364,20 @@ def _bench(args: argparse.Namespace) -> int:
         verify_repeats=args.verify_repeats,
         profile=args.profile,
         temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
     )
     _check_configs(settings, args)  # a bad setting fails now, not after loading the model
     if args.batch_size < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         raise ValueError("--batch-size and --num-prompts: allowed: integers >= 1")
     if args.temperature is not None and not args.temperature > 0:
         raise ValueError(f"--temperature={args.temperature}: allowed: a number > 0 (leave it out for greedy)")
+    if (args.top_p is not None or args.top_k is not None) and args.temperature is None:
+        raise ValueError("--top-p / --top-k: allowed only with --temperature (they shape sampling; greedy ignores them)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p={args.top_p}: allowed: a number in (0, 1]")
+    if args.top_k is not None and args.top_k < 0:
+        raise ValueError(f"--top-k={args.top_k}: allowed: an integer >= 0 (0: no top-k)")
     if args.verify_repeats < 0:
         raise ValueError(f"--verify-repeats={args.verify_repeats}: allowed: an integer >= 0")
     from .loop.integration import enable

@@ -112,6 +112,21 @@ def test_bench_batched_layer_skip_has_no_transformers_arm(model_folder, prompts_
     assert results["arms"]["ours"]["k_chosen_counts"][2] > 0
 
 
+def test_bench_samples_with_the_given_top_p_and_top_k(model_folder, prompts_file, tmp_path, capsys, monkeypatch):
+    from hf_specdec.bench import runner
+
+    seen = []
+    generate_kwargs = runner._generate_kwargs
+    monkeypatch.setattr(runner, "_generate_kwargs", lambda *args: seen.append(generate_kwargs(*args)) or seen[-1])
+    out = tmp_path / "results.json"
+    extra = ["--method", "ngram", "--k", "2", "--num-prompts", "1", "--temperature", "0.9", "--top-p", "0.8", "--top-k", "5"]
+    assert cli.main(bench_args(model_folder, prompts_file, *extra, "--out", str(out))) == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert (settings["temperature"], settings["top_p"], settings["top_k"]) == (0.9, 0.8, 5)
+    assert "sampled at temperature 0.9, top-p 0.8, top-k 5" in capsys.readouterr().out
+    assert seen and all((kw["do_sample"], kw["temperature"], kw["top_p"], kw["top_k"]) == (True, 0.9, 0.8, 5) for kw in seen)
+
+
 def test_bench_compares_cpu_linear_backends(model_folder, prompts_file, tmp_path):
     out = tmp_path / "results.json"
     status = cli.main(
@@ -261,6 +276,9 @@ def test_verify_cost_times_the_largest_tree_the_spec_allows(nodes, topk, depth):
         (["--method", "ngram", "--tree-topk", "2"], "give --tree-nodes too"),
         (["--method", "ngram", "--verify-repeats", "-1"], "--verify-repeats=-1"),
 
+        (["--method", "ngram", "--top-p", "0.8"], "--top-p / --top-k: allowed only with --temperature"),
+        (["--method", "ngram", "--temperature", "0.7", "--top-p", "1.5"], "--top-p=1.5: allowed: a number in (0, 1]"),
+        (["--method", "ngram", "--temperature", "0.7", "--top-k", "-1"], "--top-k=-1: allowed: an integer >= 0"),
         (["--method", "ngram", "--k", "x"], "--k"),
         (["--method", "ngram", "--k", "0"], "num_speculative_tokens"),
         (["--method", "ngram", "--k", "3", "--max-speculative-tokens", "4"], "max_speculative_tokens"),

@@ -60,6 +60,7 @@ class BenchSettings:
         temperature: None for greedy (every arm checked token for token against plain); a float
             samples every arm at that temperature (seeded per batch; outputs then differ from plain's
             draw for draw, their distribution does not, so rows are not compared).
+        top_p, top_k: with `temperature`, every arm's top-p / top-k (None: the model's generation config).
     """
 
     method: str = "ngram"
@@ -77,6 +78,8 @@ class BenchSettings:
     verify_repeats: int = 5
     profile: bool = False
     temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
 
     def speculative_config(
         self, k: int | str, cpu_linear_backend: str | None = None, method: str | None = None, tree: dict | None = None

@@ -49,6 +49,7 @@ def format_table(results: dict) -> str:
         f"{settings['method']}, batch size {settings['batch_size']}, {results['num_prompts']} prompts, "
         f"max_new_tokens {settings['max_new_tokens']}, "
         + ("greedy" if settings.get("temperature") is None else f"sampled at temperature {settings['temperature']}")
+        + "".join(f", {name.replace('_', '-')} {settings[name]}" for name in ("top_p", "top_k") if settings.get(name) is not None)
     )
     text.insert(0, title)
     costs = [arm["verify_cost"] for arm in results["arms"].values() if arm.get("verify_cost")]

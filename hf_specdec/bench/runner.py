@@ -198,6 +198,7 @@ def _generate(model, arm: Arm, kwargs: dict, max_new_tokens: int):
 
 def _generate_kwargs(arm: Arm, tokenizer, settings: BenchSettings) -> dict:
     sampling = {"do_sample": False} if settings.temperature is None else {"do_sample": True, "temperature": settings.temperature}
+    sampling.update({name: value for name, value in (("top_p", settings.top_p), ("top_k", settings.top_k)) if value is not None})
     return {**sampling, "pad_token_id": tokenizer.pad_token_id, **arm.generate_kwargs}
 
 

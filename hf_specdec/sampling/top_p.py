@@ -2,9 +2,9 @@
 
 `TopPLogitsWarper` sorts every row whole to find the top tokens holding `top_p` of the mass. A
 speculative step warps every verified position (k + 1 per row), and after top-k (transformers'
-default 50, Qwen's 20) a row holds a few dozen finite scores among 50k-250k -inf: on a CPU the
-sorts of 72 rows of Qwen's 152k tokens cost more than the rest of our loop (docs/measurements.md,
-"sampled top-p"). Here the warper itself runs on a narrow row: each row's finite scores at the end
+default 50, Qwen's 20) a row holds a few dozen finite scores among 50k-250k -inf, and sorting them
+all made Qwen's processors at 8 rows, k = 8 cost 531 ms a step on a 2-core CPU, 171 ms now
+(docs/measurements.md, "Sampled top-p"). Here the warper itself runs on a narrow row: each row's finite scores at the end
 of a row of -inf, as wide as the vocabulary less a multiple of 64 leading columns. Its result is the
 whole-row warper's, bit for bit, on the CPU in float32:
 
