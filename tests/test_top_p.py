@@ -14,8 +14,9 @@ from transformers.generation.logits_process import (
 )
 
 from hf_specdec.drafters.drafting import DraftSampling, DraftTokenPicker
+from hf_specdec.sampling import top_p
 from hf_specdec.sampling.logits_processing import process_logits
-from hf_specdec.sampling.top_p import LANE_COLUMNS, warp_top_p
+from hf_specdec.sampling.top_p import LANE_COLUMNS, narrow_rows_agree, warp_top_p
 
 
 def _after_top_k(generator: torch.Generator, rows: int, vocab: int, top_k: int, bf16: bool) -> torch.Tensor:
@@ -129,3 +130,21 @@ def test_a_step_and_the_drafts_warp_as_transformers_processors_do():
         expected = warper(None, expected)
     assert torch.equal(picker.warp(given), expected)
     assert torch.equal(given, logits)
+
+
+def test_a_torch_that_adds_a_narrow_row_otherwise_runs_top_p_over_whole_rows(monkeypatch):
+    assert narrow_rows_agree()  # this torch adds as the narrow path assumes (a torch upgrade that does not fails here)
+    scores = _after_top_k(torch.Generator().manual_seed(4), 4, 3000, 20, bf16=False)
+    called_on = []
+
+    class Recording(TopPLogitsWarper):
+        def __call__(self, input_ids, scores):
+            called_on.append(tuple(scores.shape))
+            return super().__call__(input_ids, scores)
+
+    assert torch.equal(warp_top_p(Recording(0.8), None, scores), TopPLogitsWarper(0.8)(None, scores))
+    assert called_on[0][1] < scores.shape[1]  # a narrow row
+    called_on.clear()
+    monkeypatch.setattr(top_p, "narrow_rows_agree", lambda: False)
+    assert torch.equal(warp_top_p(Recording(0.8), None, scores), TopPLogitsWarper(0.8)(None, scores))
+    assert called_on == [tuple(scores.shape)]
