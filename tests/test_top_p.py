@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import build_tiny_llama, repeated_span_batch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
@@ -13,6 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+import hf_specdec
 from hf_specdec.drafters.drafting import DraftSampling, DraftTokenPicker
 from hf_specdec.sampling import top_p
 from hf_specdec.sampling.logits_processing import process_logits
@@ -148,3 +150,27 @@ def test_a_torch_that_adds_a_narrow_row_otherwise_runs_top_p_over_whole_rows(mon
     monkeypatch.setattr(top_p, "narrow_rows_agree", lambda: False)
     assert torch.equal(warp_top_p(Recording(0.8), None, scores), TopPLogitsWarper(0.8)(None, scores))
     assert called_on == [tuple(scores.shape)]
+
+
+def test_sampled_generate_draws_the_same_tokens_with_top_p_over_the_tokens_in_play(monkeypatch):
+    """End to end (a draft model's sampled drafts warped, every verified position processed, rows of a batch): the
+    same seeded tokens with the narrow path as with whole rows everywhere, and the narrow path did run."""
+    vocab = 2048
+    target, draft = hf_specdec.enable(build_tiny_llama(vocab_size=vocab)), build_tiny_llama(seed=1, vocab_size=vocab)
+    widths = []
+    whole_row_call = TopPLogitsWarper.__call__
+    monkeypatch.setattr(TopPLogitsWarper, "__call__", lambda self, ids, s: widths.append(s.shape[-1]) or whole_row_call(self, ids, s))
+
+    def sample() -> torch.Tensor:
+        torch.manual_seed(0)
+        return target.generate(
+            **repeated_span_batch(3), max_new_tokens=16, do_sample=True, temperature=0.9, top_k=20, top_p=0.8,
+            pad_token_id=0, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "seed": 0},
+        )  # fmt: skip
+
+    narrow = sample()
+    assert min(widths) < vocab  # the narrow path ran
+    widths.clear()
+    monkeypatch.setattr(top_p, "narrow_rows_agree", lambda: False)
+    assert torch.equal(sample(), narrow)
+    assert set(widths) == {vocab}
