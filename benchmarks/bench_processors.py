@@ -1,14 +1,18 @@
-"""The request's processors at every verified position, as a sampled speculative step runs them on a CPU.
+"""The request's processors, then the random draws and rejection sampling, at every verified position of a
+sampled speculative step on a CPU.
 
-A sampled step runs the request's processors at each of a row's k + 1 verified positions. With
-Qwen2.5's generation config (repetition penalty 1.1, temperature 0.7, top-k 20, top-p 0.8) this times
-`process_logits` over random logits of each vocabulary size, rows at different lengths, two ways in
-turn (the order alternating), both giving the same scores (checked):
+A sampled step runs the request's processors at each of a row's k + 1 verified positions, then draws each
+row's noise and accepts or rejects its drafts. With Qwen2.5's generation config (repetition penalty 1.1,
+temperature 0.7, top-k 20, top-p 0.8) on random logits of each vocabulary size, rows at different
+lengths, this times each part two ways in turn (the order alternating), medians:
 
-- `now`: top-p over each row's finite scores (`sampling/top_p.py`);
-- `before`: transformers' whole-row top-p (what the loop ran before).
+- processors (`process_logits`), both ways the same scores (checked): `now`, top-p over each row's finite
+  scores (`sampling/top_p.py`); `before`, transformers' whole-row top-p;
+- sampler (`--part sampler`; every row sampled with its own generator, drafts the processed argmax 70% of
+  the time): `in_play`, `draw_step_random`'s noise for each row's 64-column blocks in play and the sampler
+  over them (`sampling/tokens_in_play.py`); `vocabulary`, noise over the vocabulary and whole rows.
 
-    python benchmarks/bench_processors.py --vocabs 49152 151936 262144 --out benchmarks/bench_processors.json
+    python benchmarks/bench_processors.py --part both --vocabs 49152 151936 262144 --out benchmarks/bench_processors.json
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from transformers.generation.logits_process import (
 )
 
 from hf_specdec.sampling.logits_processing import process_logits
+from hf_specdec.sampling.metadata import SpecDecodeMetadata
+from hf_specdec.sampling.rejection_sampler import draw_random, draw_step_random, rejection_sample
 
-ARMS = ("now", "before")
+PART_ARMS = {"processors": ("now", "before"), "sampler": ("in_play", "vocabulary")}
 
 
 class WholeRowTopP(TopPLogitsWarper):
@@ -43,31 +49,65 @@ def processors(arm: str) -> LogitsProcessorList:
     return LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.1), TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), top_p])
 
 
-def time_case(vocab: int, rows: int, k: int, repeats: int) -> dict:
+def step_inputs(vocab: int, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """Random logits of a step, its rows' tokens, the batch row and prefix length of each position."""
     generator = torch.Generator().manual_seed(0)
-    positions = rows * (k + 1)
-    logits = torch.randn(positions, vocab, generator=generator) * 3
+    logits = torch.randn(rows * (k + 1), vocab, generator=generator) * 3
     token_buffer = torch.randint(0, vocab, (rows, 600), generator=generator)
     buffer_rows = np.repeat(np.arange(rows), k + 1)
     # rows at different lengths, as in a batch whose rows accepted different numbers of drafts
     prefix_lens = np.tile(np.arange(400, 401 + k), rows) + np.repeat(np.arange(rows) * 3, k + 1)
-    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    return logits, token_buffer, buffer_rows, prefix_lens
+
+
+def sampler_step(vocab: int, rows: int, k: int) -> tuple[SpecDecodeMetadata, torch.Tensor]:
+    """A step's processed logits and drafts: the processed argmax, else a random token (30%)."""
+    processed = process_logits(processors("now"), *step_inputs(vocab, rows, k))
+    generator = torch.Generator().manual_seed(1)
+    targets = processed.argmax(dim=-1).view(rows, k + 1)[:, :k]
+    wrong = torch.rand(rows, k, generator=generator) > 0.7
+    drafts = torch.where(wrong, torch.randint(0, vocab, (rows, k), generator=generator), targets)
+    return SpecDecodeMetadata.from_drafts(list(drafts.numpy())), processed
+
+
+def run_sampler(arm: str, metadata: SpecDecodeMetadata, processed: torch.Tensor, seed: int) -> torch.Tensor:
+    generators = [torch.Generator().manual_seed(seed + row) for row in range(metadata.num_rows)]
+    is_greedy = torch.zeros(metadata.num_rows, dtype=torch.bool)
+    if arm == "in_play":
+        draws = draw_step_random(generators, metadata, processed, is_greedy)
+        if draws.in_play is None:
+            raise AssertionError("the tokens in play did not apply")
+    else:
+        draws = draw_random(generators, metadata, processed.shape[-1], processed.device)
+    return rejection_sample(metadata, processed, is_greedy, draws=draws)[1]
+
+
+def time_case(part: str, vocab: int, rows: int, k: int, repeats: int) -> dict:
+    arms = PART_ARMS[part]
+    if part == "processors":
+        inputs = step_inputs(vocab, rows, k)
+        run = {arm: lambda arm, repeat: process_logits(processors(arm), *inputs) for arm in arms}
+    else:
+        metadata, processed = sampler_step(vocab, rows, k)
+        run = {arm: lambda arm, repeat: run_sampler(arm, metadata, processed, seed=repeat * rows) for arm in arms}
+    seconds: dict[str, list[float]] = {arm: [] for arm in arms}
     results = {}
     for repeat in range(repeats + 1):
-        for arm in ARMS if repeat % 2 else ARMS[::-1]:
+        for arm in arms if repeat % 2 else arms[::-1]:
             started = time.perf_counter()
-            results[arm] = process_logits(processors(arm), logits, token_buffer, buffer_rows, prefix_lens)
+            results[arm] = run[arm](arm, repeat)
             if repeat:  # the first round warms up
                 seconds[arm].append(time.perf_counter() - started)
-    if not torch.equal(results["now"], results["before"]):
+    if part == "processors" and not torch.equal(results["now"], results["before"]):
         raise AssertionError(f"vocab {vocab}, {rows} rows, k={k}: the two ways gave different scores")
-    case = {"vocab": vocab, "rows": rows, "k": k, "positions": positions}
-    case.update({f"{arm}_ms": 1000 * statistics.median(seconds[arm]) for arm in ARMS})
+    case = {"part": part, "vocab": vocab, "rows": rows, "k": k, "positions": rows * (k + 1)}
+    case.update({f"{arm}_ms": 1000 * statistics.median(seconds[arm]) for arm in arms})
     return case
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("processors", "sampler", "both"), default="processors")
     parser.add_argument("--vocabs", type=int, nargs="+", default=[49_152, 151_936])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
@@ -75,16 +115,18 @@ def main() -> None:
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     cases = []
-    print("vocab    rows  k  positions  now ms  before ms  before / now")
-    for vocab in args.vocabs:
-        for rows in args.rows:
-            for k in args.ks:
-                case = time_case(vocab, rows, k, args.repeats)
-                cases.append(case)
-                print(
-                    f"{vocab:<8} {rows:>4} {k:>2} {case['positions']:>10} {case['now_ms']:>7.1f} {case['before_ms']:>10.1f}"
-                    f"  {case['before_ms'] / case['now_ms']:.2f}x"
-                )
+    for part in PART_ARMS if args.part == "both" else [args.part]:
+        new, old = PART_ARMS[part]
+        print(f"{part}: vocab    rows  k  positions  {new} ms  {old} ms  {old} / {new}")
+        for vocab in args.vocabs:
+            for rows in args.rows:
+                for k in args.ks:
+                    case = time_case(part, vocab, rows, k, args.repeats)
+                    cases.append(case)
+                    print(
+                        f"{part}: {vocab:<8} {rows:>4} {k:>2} {case['positions']:>10} {case[f'{new}_ms']:>7.1f}"
+                        f" {case[f'{old}_ms']:>7.1f}  {case[f'{old}_ms'] / case[f'{new}_ms']:.2f}x"
+                    )
     if args.out:
         machine = {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
         with open(args.out, "w") as handle:

@@ -15,13 +15,13 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL_VOCAB_SIZE, build_small_vocab_llama
+from conftest import SMALL_VOCAB_SIZE, build_small_vocab_llama, build_tiny_llama
 from scipy.stats import chisquare, kstest
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_specdec
 from hf_specdec.loop import step
-from hf_specdec.sampling import logits_processing
+from hf_specdec.sampling import logits_processing, rejection_sampler
 from hf_specdec.sampling.metadata import SpecDecodeMetadata
 from hf_specdec.sampling.penalties import OutputTokenPenalties
 from hf_specdec.sampling.rejection_sampler import RandomDraws, draw_random, rejection_sample
@@ -107,14 +107,14 @@ NGRAM_CONFIG = {
 
 
 def speculative_samples(
-    model, sampling: dict, speculative_config: dict, num_samples: int, seed: int, rows: int = 500
+    model, sampling: dict, speculative_config: dict, num_samples: int, seed: int, rows: int = 500, prompt: list[int] = PROMPT
 ) -> tuple[np.ndarray, list[dict]]:
     """`num_samples` sampled NEW_TOKENS-token continuations of PROMPT, `rows` per generate call, and
     each call's `spec_metrics`. Call i runs `speculative_config` with seed `seed + i * rows` (row r
     then samples with `seed + i * rows + r`: no two rows share draws). Every call must draft."""
     samples, metrics = [], []
     for call in range(num_samples // rows):
-        input_ids = torch.tensor([PROMPT] * rows)
+        input_ids = torch.tensor([prompt] * rows)
         out = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
@@ -126,7 +126,7 @@ def speculative_samples(
             **sampling,
         )
         assert out.spec_metrics["num_draft_tokens"] > 0
-        samples.append(out.sequences[:, len(PROMPT) :].numpy())
+        samples.append(out.sequences[:, len(prompt) :].numpy())
         metrics.append(out.spec_metrics)
     return np.concatenate(samples), metrics
 
@@ -195,6 +195,39 @@ def test_broken_sampler_is_detected(model, monkeypatch):
     monkeypatch.setattr(step, "rejection_sample", always_accept)
     samples, _ = speculative_samples(model, sampling, NGRAM_CONFIG, num_samples=4000, seed=1234)
     assert chi_square_pvalue(samples, exact) < 1e-6
+
+
+def test_sampling_over_the_tokens_in_play_matches_exact_distribution(monkeypatch):
+    """A 4096-token vocabulary of which 16 tokens in 8 of its 64-column blocks can be sampled, top-k 4: each row's
+    p and exponential race run over its blocks in play (`sampling/tokens_in_play.py`; asserted). Broken: the blocks
+    in play taken from each row's last verified position only (a draft's position loses its other blocks)."""
+    vocab, allowed = 4096, [64 * block + offset for block in range(1, 64, 8) for offset in (5, 38)]
+    model = hf_specdec.enable(
+        build_tiny_llama(initializer_range=0.3, vocab_size=vocab, hidden_size=32, intermediate_size=64, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    )  # fmt: skip
+    sampling = dict(temperature=1.2, top_k=4, suppress_tokens=sorted(set(range(vocab)) - set(allowed)))
+    prompt = [allowed[i] for i in (0, 5, 9, 0, 5, 9, 0, 5)]
+    exact = exact_distribution(model, sampling, prompt, tokens=allowed)
+    narrow_steps, whole_steps, tokens_in_play = [], [], rejection_sampler.tokens_in_play
+
+    def recorded(logits, metadata, sampled):
+        in_play = tokens_in_play(logits, metadata, sampled)
+        (whole_steps if in_play is None else narrow_steps).append(metadata.num_rows)
+        return in_play
+
+    monkeypatch.setattr(rejection_sampler, "tokens_in_play", recorded)
+    samples, _ = speculative_samples(model, sampling, NGRAM_CONFIG, num_samples=4000, seed=1234, prompt=prompt)
+    assert narrow_steps and not whole_steps
+    assert chi_square_pvalue(samples, exact) > 1e-3
+
+    def last_position_only(logits, metadata, sampled):
+        positions = torch.tensor(metadata.num_draft_tokens) + 1
+        bonus_of_position = torch.repeat_interleave(metadata.bonus_logits_indices, positions)
+        return recorded(logits[bonus_of_position], metadata, sampled)
+
+    monkeypatch.setattr(rejection_sampler, "tokens_in_play", last_position_only)
+    broken, _ = speculative_samples(model, sampling, NGRAM_CONFIG, num_samples=4000, seed=1234, prompt=prompt)
+    assert chi_square_pvalue(broken, exact) < 1e-6
 
 
 def test_seeded_sampling_reproduces(model):

@@ -28,7 +28,7 @@ from ..profiling import StepTimer
 from ..sampling.grammar import cut_forbidden_drafts
 from ..sampling.logits_processing import StopChecker, accept_emitted, process_logits
 from ..sampling.metadata import SpecDecodeMetadata
-from ..sampling.rejection_sampler import draw_random, rejection_sample
+from ..sampling.rejection_sampler import draw_step_random, rejection_sample
 from ..sampling.tree import tree_depths
 from ..sampling.tree_acceptance import accept_tree
 from ..tensor_parallel import agreed_seconds
@@ -363,12 +363,13 @@ def _accept(
     numbers drawn from each row's generator): (output tokens, drafts accepted, a tree's accepted nodes)."""
     generators = [sampling.generators[r] for r in rows]
     device = processed.device
-    draws = None if all(g is None for g in generators) else draw_random(generators, spec, processed.shape[-1], device)
     is_greedy = sampling.is_greedy[to_device([rows], device)[0]]
-    if proposal.draft_parents is not None:
+    is_tree, method = proposal.draft_parents is not None, config.rejection_sample_method
+    draws = draw_step_random(generators, spec, processed, is_greedy, method, tree=is_tree)
+    if is_tree:
         return accept_tree(spec, proposal.draft_parents, processed, is_greedy, draws=draws)
     output_tokens, num_accepted = rejection_sample(
-        spec, processed, is_greedy, draws=draws, draft_probs=proposal.draft_probs, method=config.rejection_sample_method
+        spec, processed, is_greedy, draws=draws, draft_probs=proposal.draft_probs, method=method
     )
     return output_tokens, num_accepted, None
 

@@ -19,20 +19,19 @@ whole-row warper's, bit for bit, on the CPU in float32:
 - the -inf tokens stay -inf however the warper decides them (its filter value must be -inf).
 
 Elsewhere (CUDA, other dtypes, NaN or +inf scores, most of the row finite) the whole-row warper
-runs, and everywhere where a torch adds otherwise (`narrow_rows_agree`, checked once per process).
+runs, and everywhere where a torch adds otherwise (`tokens_in_play.narrow_rows_agree`, checked once per
+process).
 `tests/test_top_p.py` checks the narrow path against it bit for bit.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 
 import torch
 from transformers.generation.logits_process import TopPLogitsWarper
 
-LANE_COLUMNS = 64  # a multiple of every CPU vector width softmax's sum may use (16 floats at most)
+from .tokens_in_play import LANE_COLUMNS, finite_entries, narrow_rows_agree
 
 
 def warp_top_p(
@@ -47,7 +46,7 @@ def warp_top_p(
         return warper(input_ids, scores)
     if not narrow_rows_agree():
         return warper(input_ids, scores)
-    rows, columns = (scores > -math.inf).nonzero(as_tuple=True)  # each row's finite scores, in column order
+    rows, columns = finite_entries(scores)  # each row's finite scores, in column order
     counts = torch.bincount(rows, minlength=len(scores))
     most = int(counts.max())
     if 4 * (most + LANE_COLUMNS) > vocab:
@@ -67,25 +66,3 @@ def warp_top_p(
         rows, columns, narrow_columns = rows[kept], columns[kept], narrow_columns[kept]
     out[rows, columns] = warped[rows, narrow_columns]
     return out
-
-
-@functools.cache
-def narrow_rows_agree() -> bool:
-    """Whether this torch's CPU softmax and cumsum give the finite scores of a narrow row the whole row's
-    cumulative probabilities bit for bit (the module docstring's argument rests on how its kernels add), on
-    random rows of a few vocabulary sizes; where not, every row takes the whole-row warper (warned once)."""
-    generator = torch.Generator().manual_seed(0)
-    for vocab in (1000, 4099, 32_768):
-        ascending = (torch.randn(16, vocab, generator=generator) * 4).sort(dim=1).values
-        finite = ascending[:, -24:]
-        ascending[:, :-24] = -math.inf  # top-k 24, sorted as the warper sorts it
-        width = vocab - LANE_COLUMNS * ((vocab - 24 - LANE_COLUMNS) // LANE_COLUMNS)
-        narrow = torch.cat([torch.full((16, width - 24), -math.inf), finite], dim=1)
-        if not torch.equal(narrow.softmax(-1).cumsum(-1)[:, -24:], ascending.softmax(-1).cumsum(-1)[:, -24:]):
-            warnings.warn(
-                f"torch {torch.__version__}'s CPU softmax / cumsum add a narrow row otherwise than a whole one: top-p "
-                "runs over whole rows (slower, the same scores)",
-                stacklevel=2,
-            )
-            return False
-    return True
