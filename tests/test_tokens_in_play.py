@@ -14,6 +14,12 @@ from hf_specdec.sampling.rejection_sampler import RandomDraws, draw_step_random,
 from hf_specdec.sampling.tokens_in_play import LANE_COLUMNS, finite_entries
 
 
+@pytest.fixture(autouse=True)
+def narrow_at_any_size(monkeypatch):
+    """The narrow layout for steps of any number of draws (it takes only steps of 100k or more)."""
+    monkeypatch.setattr(tokens_in_play, "MIN_WHOLE_ROW_DRAWS", 0)
+
+
 def _top_k_rows(generator: torch.Generator, rows: int, vocab: int, top_k: int) -> torch.Tensor:
     scores = torch.randn(rows, vocab, generator=generator) * (0.5 + 6 * float(torch.rand(1, generator=generator)))
     kth = scores.topk(top_k, dim=1).values[:, -1:]
@@ -130,12 +136,16 @@ def test_noise_is_drawn_for_each_sampled_rows_tokens_in_play():
         assert torch.equal(noise, torch.rand(count, generator=again).neg_().log1p_().neg_())
 
 
-@pytest.mark.parametrize("case", ["every_score_finite", "vocab_not_multiple_of_64", "nan", "plus_inf", "float64", "torch_adds_otherwise"])
+@pytest.mark.parametrize(
+    "case", ["few_draws", "every_score_finite", "vocab_not_multiple_of_64", "nan", "plus_inf", "float64", "torch_adds_otherwise"]
+)
 def test_steps_the_narrow_layout_does_not_cover_draw_over_the_vocabulary(case, monkeypatch):
     generator = torch.Generator().manual_seed(4)
     vocab = 4000 if case == "vocab_not_multiple_of_64" else 4096
     metadata, logits = _step(generator, vocab, 10)
-    if case == "every_score_finite":
+    if case == "few_draws":
+        monkeypatch.setattr(tokens_in_play, "MIN_WHOLE_ROW_DRAWS", metadata.num_rows * vocab + 1)
+    elif case == "every_score_finite":
         logits = torch.randn(logits.shape, generator=generator)
     elif case in ("nan", "plus_inf"):
         logits[0, 5] = math.nan if case == "nan" else math.inf
