@@ -287,7 +287,8 @@ def summarize(
             "tpot_s": statistics.median(tpot) if tpot else None,
             "tokens_per_s": statistics.median(rates),
             "ratio_vs_plain": statistics.median(r / p for r, p in zip(rates, plain_rates)),
-            "identical_fraction": arm_runs.identical / arm_runs.rows if arm_runs.rows else 1.0,
+            # None where no row was compared (plain itself; sampled runs, which differ draw for draw)
+            "identical_fraction": arm_runs.identical / arm_runs.rows if arm_runs.rows else None,
             "identical_rows": arm_runs.identical,  # of `rows` compared with plain (plain itself: 0 of 0)
             "rows": arm_runs.rows,
             "divergences": arm_runs.divergences,

@@ -36,12 +36,12 @@ MIN_WHOLE_ROW_DRAWS = 100_000
 
 def finite_block_maxima(scores: torch.Tensor) -> torch.Tensor | None:
     """`[rows, vocab / 64]` the largest score in each 64-column block of each row, or None where the
-    blocks do not apply (not a CPU float32 matrix, a vocabulary that is no multiple of 64, a NaN or
-    +inf score, a row without a finite score)."""
+    blocks do not apply (not a contiguous CPU float32 matrix, a vocabulary that is no multiple of 64, a
+    NaN or +inf score, a row without a finite score)."""
     if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.ndim != 2 or not len(scores):
         return None
     rows, vocab = scores.shape
-    if vocab % LANE_COLUMNS:
+    if vocab % LANE_COLUMNS or not scores.is_contiguous():
         return None
     block_maxima = scores.view(rows, vocab // LANE_COLUMNS, LANE_COLUMNS).amax(dim=-1)
     if not torch.isfinite(block_maxima.amax(dim=1)).all():  # NaN (amax keeps it), +inf, a row of -inf
