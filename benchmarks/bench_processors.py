@@ -7,7 +7,8 @@ temperature 0.7, top-k 20, top-p 0.8) on random logits of each vocabulary size, 
 lengths, this times each part two ways in turn (the order alternating), medians:
 
 - processors (`process_logits`), both ways the same scores (checked): `now`, top-p over each row's finite
-  scores (`sampling/top_p.py`); `before`, transformers' whole-row top-p;
+  scores (`sampling/top_p.py`), temperature and top-k in place and the repetition penalty over its tokens'
+  columns (`sampling/in_place.py`); `before`, transformers' processors as they are;
 - sampler (`--part sampler`; every row sampled with its own generator, drafts the processed argmax 70% of
   the time): `in_play`, `draw_step_random`'s noise for each row's 64-column blocks in play and the sampler
   over them (`sampling/tokens_in_play.py`); `vocabulary`, noise over the vocabulary and whole rows.
@@ -41,13 +42,17 @@ from hf_specdec.sampling.tokens_in_play import tokens_in_play
 PART_ARMS = {"processors": ("now", "before"), "sampler": ("in_play", "vocabulary")}
 
 
-class WholeRowTopP(TopPLogitsWarper):
-    """transformers' warper, which `process_logits` leaves to run over the whole row (it takes only that type)."""
+# subclasses of transformers' processors run as they are: `process_logits` takes its own paths for these exact types
+AS_THEY_ARE = {kind: type(f"AsIs{kind.__name__}", (kind,), {}) for kind in (
+    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+)}  # fmt: skip
 
 
 def processors(arm: str) -> LogitsProcessorList:
-    top_p = (WholeRowTopP if arm == "before" else TopPLogitsWarper)(0.8)
-    return LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.1), TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), top_p])
+    """Qwen2.5's: ours (`now`), or transformers' processors as they are (`before`)."""
+    kinds = [RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper]
+    kinds = [AS_THEY_ARE[kind] for kind in kinds] if arm == "before" else kinds
+    return LogitsProcessorList([kind(value) for kind, value in zip(kinds, (1.1, 0.7, 20, 0.8))])
 
 
 def step_inputs(vocab: int, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:

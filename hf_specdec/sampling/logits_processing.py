@@ -21,6 +21,7 @@ from transformers.generation import logits_process, stopping_criteria
 
 from ..transfer import to_device
 from .grammar import SpeculativeGrammar, row_grammars
+from .in_place import warp_in_place
 from .top_p import warp_top_p
 
 # Processors whose output does not depend on input_ids: one call covers every position.
@@ -76,11 +77,13 @@ def apply_position_free(
     processor: LogitsProcessor, input_ids: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor
 ) -> torch.Tensor:
     """`processor(input_ids, scores)` for a processor in `_POSITION_FREE`; top-p over the tokens still in play
-    (`top_p.py`), writing into `scores` where it does not share the memory of `logits` (the caller's)."""
+    (`top_p.py`); writing into `scores` where it does not share the memory of `logits` (the caller's): top-p,
+    temperature and top-k (`in_place.py`)."""
+    owned = scores.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
     if type(processor) is logits_process.TopPLogitsWarper:
-        owned = scores.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
         return warp_top_p(processor, input_ids, scores, in_place=owned)
-    return processor(input_ids, scores)
+    warped = warp_in_place(processor, scores) if owned else None
+    return processor(input_ids, scores) if warped is None else warped
 
 
 def _for_rows(processor, batch_rows: np.ndarray):
