@@ -129,25 +129,25 @@ def narrow_rows_agree() -> bool:
     and, with cumsum, sorted rows cut to their last columns (top-p's narrow row). Where not, every row takes
     the whole-row path (warned once)."""
     generator = torch.Generator().manual_seed(0)
-    for vocab in (1024, 4096, 32_768):
+    agree = True
+    for vocab in (1024, 4096, 32_768):  # rows of the blocks in play, the padding after them
         scores = torch.full((16, vocab), -math.inf)
         columns = torch.randint(0, vocab, (16, 24), generator=generator)
         scores.scatter_(1, columns, torch.randn(16, 24, generator=generator) * 4)
         blocks = torch.unique((columns // LANE_COLUMNS).flatten())
         in_play = (blocks[:, None] * LANE_COLUMNS + torch.arange(LANE_COLUMNS)).flatten()
         narrow = torch.cat([scores[:, in_play], torch.full((16, 2 * LANE_COLUMNS), -math.inf)], dim=1)
-        blocks_agree = torch.equal(narrow.softmax(-1)[:, : len(in_play)], scores.softmax(-1)[:, in_play])
-
-        ascending = scores.sort(dim=1).values  # top-p's sorted row: the finite scores last
+        agree &= torch.equal(narrow.softmax(-1)[:, : len(in_play)], scores.softmax(-1)[:, in_play])
+    for vocab in (1000, 4099, 32_768):  # top-p's: sorted rows, the finite scores last, cut to the last columns
+        ascending = (torch.randn(16, vocab, generator=generator) * 4).sort(dim=1).values
+        ascending[:, :-24] = -math.inf  # top-k 24, sorted as the warper sorts it
         width = vocab - LANE_COLUMNS * ((vocab - 24 - LANE_COLUMNS) // LANE_COLUMNS)
-        sorted_agree = torch.equal(
-            ascending[:, -width:].softmax(-1).cumsum(-1)[:, -24:], ascending.softmax(-1).cumsum(-1)[:, -24:]
+        cumulative = ascending.softmax(-1).cumsum(-1)[:, -24:]
+        agree &= torch.equal(ascending[:, -width:].softmax(-1).cumsum(-1)[:, -24:], cumulative)
+    if not agree:
+        warnings.warn(
+            f"torch {torch.__version__}'s CPU softmax / cumsum add a narrow row otherwise than a whole one: top-p "
+            "and the rejection sampler run over whole rows (slower, the same distributions)",
+            stacklevel=2,
         )
-        if not (blocks_agree and sorted_agree):
-            warnings.warn(
-                f"torch {torch.__version__}'s CPU softmax / cumsum add a narrow row otherwise than a whole one: top-p "
-                "and the rejection sampler run over whole rows (slower, the same distributions)",
-                stacklevel=2,
-            )
-            return False
-    return True
+    return agree
