@@ -25,15 +25,18 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 
 def warp_in_place(processor, scores: torch.Tensor) -> torch.Tensor | None:
-    """Temperature or top-k written into `scores` (which the caller owns); None for any other processor."""
-    if type(processor) is TemperatureLogitsWarper:
-        return scores.div_(processor.temperature) if in_place_warpers_agree() else None
-    if type(processor) is TopKLogitsWarper:
-        if not in_place_warpers_agree():
-            return None
-        kth_best = torch.topk(scores, min(processor.top_k, scores.size(-1)))[0][..., -1, None]
-        return scores.masked_fill_(scores < kth_best, processor.filter_value)
-    return None
+    """Temperature or top-k written into `scores` (which the caller owns); None for any other processor, or
+    where the installed warpers compute otherwise."""
+    if type(processor) not in (TemperatureLogitsWarper, TopKLogitsWarper) or not in_place_warpers_agree():
+        return None
+    return _write(processor, scores)
+
+
+def _write(warper: TemperatureLogitsWarper | TopKLogitsWarper, scores: torch.Tensor) -> torch.Tensor:
+    if type(warper) is TemperatureLogitsWarper:
+        return scores.div_(warper.temperature)
+    kth_best = torch.topk(scores, min(warper.top_k, scores.size(-1)))[0][..., -1, None]
+    return scores.masked_fill_(scores < kth_best, warper.filter_value)
 
 
 @functools.cache
@@ -42,13 +45,7 @@ def in_place_warpers_agree() -> bool:
     generator = torch.Generator().manual_seed(0)
     scores = (torch.randn(6, 300, generator=generator) * 3).round(decimals=1)  # rounded: ties at the k-th score
     for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(7), TopKLogitsWarper(400)):
-        expected = warper(None, scores.clone())
-        if type(warper) is TemperatureLogitsWarper:
-            got = scores.clone().div_(warper.temperature)
-        else:
-            kth_best = torch.topk(scores, min(warper.top_k, scores.size(-1)))[0][..., -1, None]
-            got = scores.clone().masked_fill_(scores < kth_best, warper.filter_value)
-        if not torch.equal(got, expected):
+        if not torch.equal(_write(warper, scores.clone()), warper(None, scores.clone())):
             warnings.warn(
                 f"transformers' {type(warper).__name__} no longer computes what hf_specdec writes in place: "
                 "the warpers run as they are (slower, the same scores)",
