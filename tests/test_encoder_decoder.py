@@ -273,6 +273,24 @@ def test_image_to_text_encoder_decoder():
     assert model.spec_decode_metrics.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("model_type", ["t5", "bart"])
+def test_processors_reading_each_rows_source(model_type):
+    """encoder_repetition_penalty and encoder_no_repeat_ngram_size hold one source per batch row: each verified
+    position reads its own row's (at batch 3 a prefix-length group holds one or two rows), as plain generate()."""
+    model = families.build_tiny_encoder_decoder(model_type)
+    inputs = {**source_inputs(model, batch=3), "num_beams": 1}
+    options = {"encoder_repetition_penalty": 10.0, "encoder_no_repeat_ngram_size": 2}
+    baseline = plain_generate(model, **inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    plain = plain_generate(model, **inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, **options)
+    assert (plain != baseline).any(dim=1).all(), "the options leave a row as it was: the test proves little"
+    out = model.generate(
+        **inputs, **options, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, custom_generate=hf_specdec.generate,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    assert torch.equal(out, plain)
+    assert model.spec_decode_metrics.num_accepted_tokens > 0
+
+
 def test_suffix_scores_streamer_and_n_gram_first_on_an_encoder_decoder():
     """What composes on an encoder-decoder target as on a decoder-only one: the suffix drafter, output_scores,
     a streamer (batch 1: it gets the decoder's tokens), and an n-gram lookup in front of an encoder-decoder draft."""

@@ -335,12 +335,14 @@ def _processor_kwargs(generated: list[int]) -> dict[str, dict]:
         "min_new_tokens": {"min_new_tokens": 15, "eos_token_id": [EOS_TOKEN_ID, generated[6]]},
         "bad_words_ids": {"bad_words_ids": [[first], [second, third]]},
         "sequence_bias": {"sequence_bias": {(second,): -20.0, (first, third): 10.0}},
+        "encoder_repetition_penalty": {"encoder_repetition_penalty": 10.0},  # boosts the prompt (a decoder-only model's source)
         "combined": {"repetition_penalty": 1.3, "no_repeat_ngram_size": 3, "bad_words_ids": [[second]]},
     }
 
 
-# transformers builds repetition_penalty's processor with one prompt-ignore length per batch row;
-# processors are called with rows regrouped by prefix length, so batch 4 checks that regrouping.
+# transformers builds repetition_penalty's processor with one prompt-ignore length per batch row and
+# encoder_repetition_penalty's with one prompt per row; processors are called with rows regrouped by
+# prefix length, so batch 4 checks that regrouping.
 PROCESSOR_CASES = [
     pytest.param(name, batch_size)
     for batch_size in (1, 4)
@@ -350,6 +352,7 @@ PROCESSOR_CASES = [
         "min_new_tokens",
         "bad_words_ids",
         "sequence_bias",
+        "encoder_repetition_penalty",
     )
 ] + [pytest.param("combined", 1), pytest.param("combined", 4)]
 

@@ -87,16 +87,61 @@ def apply_position_free(
 
 
 def _for_rows(processor, batch_rows: np.ndarray):
-    """The processor as it applies to these batch rows.
+    """The processor as it applies to these batch rows (`spread_over_rows` gave it one entry per row).
 
-    `RepetitionPenaltyLogitsProcessor` carries one prompt-ignore length per batch row (the left
-    padding generate() found): the grouped call passes only some rows, so it gets theirs.
+    Some of transformers' processors hold a value per batch row, built from the whole batch: the
+    repetition penalty's prompt-ignore lengths (the left padding generate() found), the encoder
+    repetition penalty's source tokens, the encoder n-gram ban's source n-grams. The grouped call
+    passes only some rows, in any order, a row once per position, so it gets theirs.
     """
     ignore = getattr(processor, "prompt_ignore_length", None)
     if isinstance(ignore, torch.Tensor):
         processor = copy.copy(processor)
         processor.prompt_ignore_length = ignore[to_device([batch_rows], ignore.device)[0]]
+    elif isinstance(processor, logits_process.EncoderRepetitionPenaltyLogitsProcessor):
+        processor = copy.copy(processor)
+        processor.encoder_input_ids = processor.encoder_input_ids[to_device([batch_rows], processor.encoder_input_ids.device)[0]]
+    elif isinstance(processor, logits_process.EncoderNoRepeatNGramLogitsProcessor):
+        processor = copy.copy(processor)
+        processor.generated_ngrams = [processor.generated_ngrams[row] for row in batch_rows]
+        processor.batch_size = len(batch_rows)
     return processor
+
+
+def spread_over_rows(logits_processor: LogitsProcessorList, batch_size: int) -> LogitsProcessorList:
+    """The processors with the encoder-reading ones holding one source per batch row.
+
+    generate() builds those from the prompts (an encoder-decoder model's sources) before
+    `num_return_sequences` repeats each row, and they repeat the source themselves when called with
+    the whole batch; `_for_rows` hands each position its own row's. The same list object back when
+    there is none."""
+    def spread(processor):
+        if isinstance(processor, logits_process.EncoderRepetitionPenaltyLogitsProcessor):
+            sources = len(processor.encoder_input_ids)
+        elif isinstance(processor, logits_process.EncoderNoRepeatNGramLogitsProcessor):
+            sources = processor.batch_size
+        else:
+            return processor
+        if sources == batch_size:
+            return processor
+        if batch_size % sources:
+            raise ValueError(
+                f"{type(processor).__name__} holds {sources} sources for a batch of {batch_size} rows; "
+                "it needs one per row or per prompt (num_return_sequences repeats them)"
+            )
+        spread = copy.copy(processor)
+        repeats = batch_size // sources
+        if isinstance(processor, logits_process.EncoderRepetitionPenaltyLogitsProcessor):
+            spread.encoder_input_ids = processor.encoder_input_ids.repeat_interleave(repeats, dim=0)
+        else:
+            spread.generated_ngrams = [ngrams for ngrams in processor.generated_ngrams for _ in range(repeats)]
+            spread.batch_size = batch_size
+        return spread
+
+    spread_list = [spread(p) for p in logits_processor]
+    if all(new is old for new, old in zip(spread_list, logits_processor)):
+        return logits_processor
+    return LogitsProcessorList(spread_list)
 
 
 def _by_prefix_length(
