@@ -20,7 +20,9 @@ medians over `--repeats`; every arm of ours must give plain `generate()`'s token
 of different lengths (100-200 tokens) queued at once, `--engine-concurrency` rows at a time, each joining as
 another finishes (its source through the encoder as it joins). Arms: the engine speculating with the n-gram
 drafter, the same engine drafting nothing, and plain `generate()` over the requests in fixed batches of the
-concurrency (each batch padded to its longest source), with torch's linears and with ours.
+concurrency (each batch padded to its longest source), with torch's linears and with ours. Then, once per
+engine arm, with request lengths spread so rows finish apart: the median step in which a request joined against
+one in which none did (`step_ms`).
 
     python benchmarks/bench_encoder_decoder.py --out benchmarks/bench_encoder_decoder.json
 """
@@ -31,6 +33,7 @@ import argparse
 import json
 import platform
 import statistics
+import time
 
 import torch
 from transformers import (
@@ -144,6 +147,30 @@ def engine_arms(model, requests: list[torch.Tensor], concurrency: int, max_new_t
             "engine, drafting nothing": lambda: engine(None), "engine, n-gram": lambda: engine(NGRAM)}  # fmt: skip
 
 
+def join_step_ms(model, requests: list[torch.Tensor], concurrency: int, max_new_tokens: int, config) -> dict:
+    """Median ms of an engine step in which a request joined a full batch (its encoder, its cross-attention keys)
+    and of one in which none did. Requests get lengths from a quarter of `max_new_tokens` to all of it, so rows
+    finish apart and join one or two at a time."""
+    start = model.generation_config.decoder_start_token_id
+    engine = hf_specdec.SpeculativeEngine(model, config, max_batch_size=concurrency)
+    for index, source in enumerate(requests):
+        length = max_new_tokens // 4 + (index * 7) % (max_new_tokens - max_new_tokens // 4 + 1)
+        options = {"max_new_tokens": length, "min_new_tokens": length, "do_sample": False}
+        engine.add_request([start, int(source[0, 0])], options, model_inputs={"input_ids": source}, logits_processor=[CopySource(source)])
+    with_join, without, seen = [], [], set()
+    while engine.has_unfinished():
+        began = time.perf_counter()
+        new = {output.request_id for output in engine.step()} - seen
+        elapsed = round((time.perf_counter() - began) * 1e3, 1)
+        if len(seen) >= concurrency:  # (the first requests' steps: the batch filling up)
+            (with_join if new else without).append(elapsed)
+        seen |= new
+    return {
+        "with_join": statistics.median(with_join) if with_join else None, "without": statistics.median(without) if without else None,
+        "steps": [len(with_join), len(without)],
+    }  # fmt: skip
+
+
 def one_row_per_forward(model, inputs: dict, options: dict) -> torch.Tensor:
     """Ours with n-gram drafts as a decoder that cannot be batched runs (`EncoderDecoderRowCache`): the batched
     decoder's gain, measured on the same model."""
@@ -232,11 +259,14 @@ def engine_results(args) -> list[dict]:
             "x_plain_fixed_batches_same_linears": {arm: tps[arm] / tps["the same, same CPU linears"] for arm in runs},
             "x_engine_drafting_nothing": tps["engine, n-gram"] / tps["engine, drafting nothing"], "seconds": seconds,
             "identical_to_plain": {arm: outputs[arm] == outputs[base] for arm in runs if arm != base},
+            "step_ms": {arm: join_step_ms(model, requests, args.engine_concurrency, args.max_new_tokens, config)
+                        for arm, config in (("engine, drafting nothing", None), ("engine, n-gram", NGRAM))},
         }  # fmt: skip
         print(
             f"{name} engine, {args.engine_requests} requests at concurrency {args.engine_concurrency}: "
             + ", ".join(f"{arm} {tps[arm]:.1f} tok/s" for arm in runs)
-            + f"; n-gram {row['x_engine_drafting_nothing']:.2f}x the engine drafting nothing; identical {row['identical_to_plain']}",
+            + f"; n-gram {row['x_engine_drafting_nothing']:.2f}x the engine drafting nothing; identical {row['identical_to_plain']}; "
+            + "; ".join(f"{arm}: a step {t['with_join']} ms with a join, {t['without']} without (medians)" for arm, t in row["step_ms"].items()),
             flush=True,
         )
         rows.append(row)

@@ -452,10 +452,17 @@ def sources_of_their_own(model, count: int) -> list[dict]:
 
 
 @pytest.mark.parametrize(("model_type", "batched"), [("t5", True), ("bart", True), ("speech_to_text", True), ("t5gemma", False)])
-def test_engine_requests_bring_their_sources_and_join_mid_flight(model_type, batched):
+def test_engine_requests_bring_their_sources_and_join_mid_flight(monkeypatch, model_type, batched):
     """Each request gives its own source (of its own length): the engine runs the encoder on it as it joins, and
     the decoder reads it padded to the longest in one forward (batched) or alone (a row per forward); every
-    request gets what plain generate() gives its source alone, finishing apart, rows reused, the pool empty."""
+    request gets what plain generate() gives its source alone, finishing apart, rows reused, the pool empty.
+    Batched, a joining row's cross-attention keys are computed for it alone, beside the kept keys of the row
+    that stays (the layout as wide, then narrower: the longest source finished)."""
+    joined_alone = []
+    computed_alone = EncoderDecoderBatchedCache._joining_keys
+    monkeypatch.setattr(
+        EncoderDecoderBatchedCache, "_joining_keys", lambda cache, slots: joined_alone.append(len(slots)) or computed_alone(cache, slots)
+    )
     model = families.build_tiny_encoder_decoder(model_type)
     sources = sources_of_their_own(model, 5)
     start = [model.generation_config.decoder_start_token_id]
@@ -484,6 +491,9 @@ def test_engine_requests_bring_their_sources_and_join_mid_flight(model_type, bat
                 ids += [add(2), add(3), add(4)]
         assert [outputs[i] for i in ids] == plain, f"{config['method']}: differs from plain generate() on each source alone"
         assert engine.num_kv_blocks_used == 0
+        # requests 2, 3 and 4 join beside a running row (the target's cache; a draft model's too)
+        assert (len(joined_alone) >= 3 and set(joined_alone) == {1}) if batched else not joined_alone
+        joined_alone.clear()
         accepted += engine.metrics.num_accepted_tokens
         rejected += engine.metrics.num_draft_tokens - engine.metrics.num_accepted_tokens
     assert accepted > 0 and rejected > 0, f"accepted {accepted}, rejected {rejected}: the test proves little"

@@ -442,6 +442,7 @@ class EncoderDecoderBatchedCache(BatchedOwnAttentionCache):
             module for name, module in model.get_decoder().named_modules() if name.split(".")[-1] == "embed_positions"
         ]  # fmt: skip
         self._cross_cache = DynamicCache()  # no config: see EncoderDecoderRowCache
+        self._model = model  # a joining row's cross-attention keys come from a forward of its own (`_joining_keys`)
         # per row: its encoder output and mask, a batch of one (`set_encoder_states`); rows join at any time
         self._sources: dict[int, tuple[Any, torch.Tensor | None]] = {}
         self._slot_sources: list[tuple[Any, torch.Tensor | None]] = []  # what each slot's inputs and cross keys hold
@@ -463,7 +464,10 @@ class EncoderDecoderBatchedCache(BatchedOwnAttentionCache):
 
     def _lay_out_encoder(self) -> None:
         """The encoder output, its mask and the cross-attention keys by slot, where the slots changed (rows
-        finished or joined). A free slot keeps what it held: its padding query reads something."""
+        finished or joined). A free slot keeps what it held: its padding query reads something. The keys of the
+        rows that stay are kept (past a narrower layout's width they held padding: dropped) and joining rows get
+        theirs from a forward of their own (`_joining_keys`); all are computed again only where the layout widens
+        (the rows that stay have no keys for the padding it adds) or every row is new."""
         missing = [row for row in self.slots if row is not None and row not in self._sources]
         if missing:
             raise RuntimeError(f"EncoderDecoderBatchedCache: rows {missing} have no encoder states (set_encoder_states)")
@@ -477,16 +481,42 @@ class EncoderDecoderBatchedCache(BatchedOwnAttentionCache):
             return
         old_width = None if self._slot_encoder is None else self._slot_encoder[0][0].shape[1]
         self._slot_encoder = _stack_sources(sources)
-        computed = [layer for layer in self._cross_cache.layers if getattr(layer, "keys", None) is not None]
-        old = [id(source[0]) for source in laid_out]
-        same_width = self._slot_encoder[0][0].shape[1] == old_width  # else every slot's keys are recomputed
-        if computed and same_width and all(id(source[0]) in old for source in sources):  # computed: move them
-            index = torch.tensor([old.index(id(source[0])) for source in sources], device=computed[0].keys.device)
-            for layer in computed:
-                layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
-        else:  # the next forward computes them from the slots' encoder states
-            self._cross_cache = DynamicCache()
         self._slot_sources = sources
+        width = self._slot_encoder[0][0].shape[1]
+        old = [id(source[0]) for source in laid_out]
+        computed = [layer for layer in self._cross_cache.layers if getattr(layer, "keys", None) is not None]
+        joining = [slot for slot, source in enumerate(sources) if id(source[0]) not in old]
+        # (the keys span the encoder states: a model that shortens them is left to compute its own)
+        if not computed or {layer.keys.shape[-2] for layer in computed} != {old_width} or width > old_width or len(joining) == len(sources):
+            self._cross_cache = DynamicCache()  # the next forward computes them from the slots' encoder states
+            return
+        fresh = self._joining_keys(joining) if joining else []
+        at = {slot: len(old) + i for i, slot in enumerate(joining)}
+        index = torch.tensor([at[slot] if slot in at else old.index(id(source[0])) for slot, source in enumerate(sources)])
+        for layer_index, layer in enumerate(self._cross_cache.layers):
+            if getattr(layer, "keys", None) is None:
+                continue
+            keys, values = layer.keys[..., :width, :], layer.values[..., :width, :]
+            if fresh:
+                keys, values = torch.cat([keys, fresh[layer_index][0]]), torch.cat([values, fresh[layer_index][1]])
+            index = index.to(keys.device)
+            layer.keys, layer.values = keys.index_select(0, index), values.index_select(0, index)
+
+    def _joining_keys(self, slots: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each decoder layer's cross-attention keys and values for these slots alone, over their encoder states
+        as laid out (padded to the layout's width): a one-token decoder forward of theirs, its output dropped
+        (the model's own code computes them, whatever its layers call their projections)."""
+        encoder_outputs, mask = self._slot_encoder
+        index = torch.tensor(slots, device=self._model.device)
+        cross_cache = DynamicCache()
+        with torch.no_grad():
+            self._model(
+                decoder_input_ids=torch.zeros((len(slots), 1), dtype=torch.long, device=self._model.device),
+                encoder_outputs=encoder_rows(encoder_outputs, slots, len(self.slots)),
+                attention_mask=None if mask is None else mask.index_select(0, index.to(mask.device)),
+                cache=EncoderDecoderCache(DynamicCache(), cross_cache), use_cache=True,
+            )  # fmt: skip
+        return [(layer.keys, layer.values) for layer in cross_cache.layers]
 
     def free_row(self, row: int) -> None:
         super().free_row(row)
