@@ -492,14 +492,16 @@ class EncoderDecoderBatchedCache(BatchedOwnAttentionCache):
             return
         fresh = self._joining_keys(joining) if joining else []
         at = {slot: len(old) + i for i, slot in enumerate(joining)}
-        index = torch.tensor([at[slot] if slot in at else old.index(id(source[0])) for slot, source in enumerate(sources)])
+        index = torch.tensor(
+            [at[slot] if slot in at else old.index(id(source[0])) for slot, source in enumerate(sources)],
+            device=computed[0].keys.device,
+        )
         for layer_index, layer in enumerate(self._cross_cache.layers):
             if getattr(layer, "keys", None) is None:
                 continue
             keys, values = layer.keys[..., :width, :], layer.values[..., :width, :]
             if fresh:
                 keys, values = torch.cat([keys, fresh[layer_index][0]]), torch.cat([values, fresh[layer_index][1]])
-            index = index.to(keys.device)
             layer.keys, layer.values = keys.index_select(0, index), values.index_select(0, index)
 
     def _joining_keys(self, slots: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -115,6 +115,7 @@ def spread_over_rows(logits_processor: LogitsProcessorList, batch_size: int) -> 
     `num_return_sequences` repeats each row, and they repeat the source themselves when called with
     the whole batch; `_for_rows` hands each position its own row's. The same list object back when
     there is none."""
+
     def spread(processor):
         if isinstance(processor, logits_process.EncoderRepetitionPenaltyLogitsProcessor):
             sources = len(processor.encoder_input_ids)
@@ -129,14 +130,7 @@ def spread_over_rows(logits_processor: LogitsProcessorList, batch_size: int) -> 
                 f"{type(processor).__name__} holds {sources} sources for a batch of {batch_size} rows; "
                 "it needs one per row or per prompt (num_return_sequences repeats them)"
             )
-        spread = copy.copy(processor)
-        repeats = batch_size // sources
-        if isinstance(processor, logits_process.EncoderRepetitionPenaltyLogitsProcessor):
-            spread.encoder_input_ids = processor.encoder_input_ids.repeat_interleave(repeats, dim=0)
-        else:
-            spread.generated_ngrams = [ngrams for ngrams in processor.generated_ngrams for _ in range(repeats)]
-            spread.batch_size = batch_size
-        return spread
+        return _for_rows(processor, np.arange(batch_size) // (batch_size // sources))
 
     spread_list = [spread(p) for p in logits_processor]
     if all(new is old for new, old in zip(spread_list, logits_processor)):
