@@ -1,7 +1,8 @@
 """Shared fixtures: a tiny random Llama, left-padded batches with repeated spans, a word-level tokenizer.
 
 Everything runs on CPU in fp32. The model is small enough that one thread is fastest (and keeps
-runs stable when the machine is busy).
+runs stable when the machine is busy); the suite runs on two workers (`-n 2`), one thread each:
+a test that takes more threads makes both workers' threads contend for the two cores.
 """
 
 from __future__ import annotations
@@ -116,6 +117,17 @@ def ngram_config(k: int = 5, lookup_min: int = 1, lookup_max: int = 4, **extra) 
 
 # model type -> why it is refused, filled by test_family_matrix.py and printed after the run
 REFUSED_FAMILIES: dict[str, str] = {}
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: its refusals go to the controller, which prints them
+        workeroutput["refused_families"] = dict(REFUSED_FAMILIES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    REFUSED_FAMILIES.update(getattr(node, "workeroutput", {}).get("refused_families", {}))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -38,7 +38,6 @@ def test_loads_as_gemma3(gemma3):
 
 def test_greedy_continuations_are_coherent(gemma3):
     model, tokenizer = gemma3
-    torch.set_num_threads(2)
     assert _continue(model, tokenizer, "1, 2, 3, 4, 5,", 8).startswith(" 6, 7, 8")
     assert "100 degrees" in _continue(model, tokenizer, "Water boils at a temperature of", 8)
     code = _continue(model, tokenizer, "def fibonacci(n):", 16)
@@ -48,7 +47,6 @@ def test_greedy_continuations_are_coherent(gemma3):
 def test_speculative_greedy_identical_past_the_sliding_window(gemma3):
     model, tokenizer = gemma3
     model = hf_specdec.enable(model)
-    torch.set_num_threads(2)
     problems = humaneval_problems()
     long_prompt = "\n\n".join(p["prompt"] for p in problems[:6])  # ~600 tokens: the window cuts
     prompts = [long_prompt, problems[0]["prompt"]]

@@ -19,7 +19,6 @@ def smollm2():
 
 def test_real_batch_greedy_identical(smollm2):
     model, tokenizer = smollm2
-    torch.set_num_threads(2)
     prompts = humaneval_prompts(tokenizer, limit=2) + mtbench_prompts(tokenizer, limit=2)
     inputs = tokenizer(prompts, return_tensors="pt", padding=True)
     assert (inputs.attention_mask == 0).any(), "the batch is left padded"

