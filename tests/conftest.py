@@ -119,20 +119,6 @@ def ngram_config(k: int = 5, lookup_min: int = 1, lookup_max: int = 4, **extra) 
 REFUSED_FAMILIES: dict[str, str] = {}
 
 
-# Taken first by the workers, longest first (one-process times, 2026-12-07: 565, 346, 268, 203, 154 s, then
-# the other real-model files): with `--dist loadfile` a free worker takes the next file, so a long file
-# taken last runs alone at the end, and a real model converted there (minutes on a new machine) too.
-FIRST_FILES = (
-    "test_family_matrix.py", "test_encoder_decoder.py", "test_engine.py", "test_sampling_distribution.py",
-    "test_notebooks.py", "test_real_model_gemma3.py", "test_smollm2.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: position for position, name in enumerate(FIRST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST_FILES)))  # stable: a file's tests keep their order
-
-
 def pytest_sessionfinish(session):
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # a pytest-xdist worker: its refusals go to the controller, which prints them
