@@ -24,16 +24,24 @@ concurrency (each batch padded to its longest source), with torch's linears and 
 engine arm, with request lengths spread so rows finish apart: the median step in which a request joined against
 one in which none did (`step_ms`).
 
+`--engine-burst N` (BART, `free`): N requests with sources of one length (`--burst-source-length` tokens) queued
+at once, N rows: they join in one step and the encoder reads their sources in one batch (up to
+`engine.BATCHED_PREFILL_LENGTH` positions). Arms: that engine with n-gram drafts, the same engine with each source
+through the encoder alone (as before batched admission), plain `generate()` on the N as one batch (torch's
+linears, ours); and the first step alone (admission, the encoder, the first decoder step), both ways.
+
     python benchmarks/bench_encoder_decoder.py --out benchmarks/bench_encoder_decoder.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import time
+import unittest.mock
 
 import torch
 from transformers import (
@@ -50,6 +58,7 @@ import hf_specdec
 from hf_specdec.bench.runner import interleaved_seconds
 from hf_specdec.cache.architectures import check_architecture
 from hf_specdec.cache.own_attention import mark_own_attention, runs_one_row_per_forward
+from hf_specdec.loop import engine as engine_module
 from hf_specdec.models.cpu_linear import _cpu_name, fast_cpu_linears
 
 NO_DRAFTS = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1}
@@ -190,12 +199,16 @@ def main() -> None:
     parser.add_argument("--engine-requests", type=int, default=0, help="the serving case: this many requests (0: off)")
     parser.add_argument("--engine-concurrency", type=int, default=4)
     parser.add_argument("--only-engine", action="store_true", help="the serving case alone")
+    parser.add_argument("--engine-burst", type=int, default=0, help="BART: this many requests joining at once (0: off)")
+    parser.add_argument("--burst-source-length", type=int, default=32)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
     results = []
     if args.engine_requests:
         results += engine_results(args)
+    if args.engine_burst:
+        results.append(burst_results(models()["bart-base-shaped"], args.engine_burst, args.burst_source_length, args.max_new_tokens, args.repeats))
     for name, model in models().items():
         if args.models and name not in args.models:
             continue
@@ -271,6 +284,59 @@ def engine_results(args) -> list[dict]:
         )
         rows.append(row)
     return rows
+
+
+def burst_results(model, count: int, source_length: int, max_new_tokens: int, repeats: int) -> dict:
+    """`--engine-burst`: `count` BART requests with sources of one length joining at once (see the module doc)."""
+    source = torch.randint(4, model.config.vocab_size, (count, source_length), generator=torch.Generator().manual_seed(count))
+    start = [model.generation_config.decoder_start_token_id]
+    options = {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens, "do_sample": False}
+
+    def engine(batched: bool, first_step_only: bool = False) -> list[list[int]]:
+        alone = lambda joining, lengths: [[one] for one in joining]  # noqa: E731 - each source through the encoder alone
+        with contextlib.ExitStack() as stack:
+            if not batched:
+                stack.enter_context(unittest.mock.patch.object(engine_module, "_batchable_groups", alone))
+            engine = hf_specdec.SpeculativeEngine(model, NGRAM, max_batch_size=count)
+            ids = [engine.add_request(start, options, model_inputs={"input_ids": source[i : i + 1]}) for i in range(count)]
+            done = {}
+            while engine.has_unfinished():
+                done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+                if first_step_only:
+                    engine.close()
+                    return []
+        return [done[i] for i in ids]
+
+    def plain(fast: bool) -> list[list[int]]:
+        with torch.no_grad(), fast_cpu_linears(model) if fast else torch.no_grad():
+            return [row[1:].tolist() for row in model.generate(input_ids=source, **options)]
+
+    runs = {
+        "plain generate(), one batch": lambda: plain(False), "the same, same CPU linears": lambda: plain(True),
+        "engine, n-gram, sources encoded together": lambda: engine(True),
+        "engine, n-gram, each source encoded alone": lambda: engine(False),
+        "first step, sources encoded together": lambda: engine(True, first_step_only=True),
+        "first step, each source encoded alone": lambda: engine(False, first_step_only=True),
+    }  # fmt: skip
+    outputs = {arm: run() for arm, run in runs.items()}  # warm-up, and the tokens
+    seconds = interleaved_seconds(runs, repeats)
+    median = {arm: statistics.median(s) for arm, s in seconds.items()}
+    engines = [arm for arm in runs if arm.startswith("engine")]
+    row = {
+        "model": "bart-base-shaped", "workload": "engine burst, free", "requests": count, "source_length": source_length,
+        "max_new_tokens": max_new_tokens,
+        "median_seconds": median, "seconds": seconds,
+        "x_plain": {arm: median["plain generate(), one batch"] / median[arm] for arm in engines},
+        "x_plain_same_linears": {arm: median["the same, same CPU linears"] / median[arm] for arm in engines},
+        "identical_to_plain": {arm: outputs[arm] == outputs["plain generate(), one batch"] for arm in engines},
+    }  # fmt: skip
+    print(
+        f"bart-base-shaped, {count} requests of {source_length} source tokens at once: " + ", ".join(f"{arm} {t:.2f} s" for arm, t in median.items())
+        + "; " + ", ".join(f"{arm} {row['x_plain'][arm]:.2f}x ({row['x_plain_same_linears'][arm]:.2f}x)" for arm in engines)
+        + f" x plain (x same linears); identical {row['identical_to_plain']}",
+        flush=True,
+    )  # fmt: skip
+    return row
 
 
 if __name__ == "__main__":

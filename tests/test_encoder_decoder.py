@@ -541,6 +541,38 @@ def test_sampling_matches_exact_distribution_and_fails_reading_the_source_paddin
     assert chi_square_pvalue(samples(), exact) < 1e-3
 
 
+@pytest.mark.parametrize("model_type", ["t5", "speech_to_text", "t5gemma"])
+def test_engine_sources_joining_together_run_the_encoder_once(monkeypatch, model_type):
+    """Requests whose sources have one shape, joining in one step, go through the encoder in one batch (the
+    target's encoder and a draft model's); each gets what plain generate() gives its source alone, the decoder
+    batched (T5, Speech2Text: the last source's mask ends in zeros) or a row per forward (T5Gemma)."""
+    model = families.build_tiny_encoder_decoder(model_type)
+    batch = source_inputs(model, batch=4)
+    width = 7 if "input_ids" in batch else None  # the token sources' unpadded part
+    sources = [{name: values[row : row + 1, :width] for name, values in batch.items()} for row in range(4)]
+    start = [model.generation_config.decoder_start_token_id]
+    greedy = {"max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False}
+    plain = [plain_generate(model, **source, **greedy)[0, 1:].tolist() for source in sources]
+    configs = ({"method": "ngram", "num_speculative_tokens": 3}, {"method": "draft_model", "model": perturbed_copy(model), "num_speculative_tokens": 3})
+    encoded = []
+    for encoder_decoder_model in (model, configs[1]["model"]):
+        encode = encoder_decoder_model._maybe_prepare_encoder_kwargs_for_generation
+        monkeypatch.setattr(
+            encoder_decoder_model, "_maybe_prepare_encoder_kwargs_for_generation",
+            lambda source, *a, encode=encode: encoded.append(len(source)) or encode(source, *a),
+        )  # fmt: skip
+    for config in configs:
+        encoded.clear()
+        engine = hf_specdec.SpeculativeEngine(model, config, max_batch_size=4)
+        ids = [engine.add_request(start, greedy, model_inputs=source) for source in sources]
+        outputs = {}
+        while engine.has_unfinished():
+            outputs.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        assert [outputs[i] for i in ids] == plain, f"{config['method']}: differs from plain generate() on each source alone"
+        assert encoded == [4] * (1 if config["method"] == "ngram" else 2), encoded  # the target's, then the draft's
+        assert engine.num_kv_blocks_used == 0
+
+
 def test_engine_admits_sources_up_to_the_prefill_budget():
     """With `prefill_chunk_size`, requests join while their sources hold that many tokens in all (one at least):
     the encoder's runs bound a step's stall as prompt chunks do."""

@@ -255,6 +255,38 @@ def test_with_chunked_prefill_one_image_prompt_joins_per_step():
     assert running[None][0] == 3 and running[64][:3] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("with_a_bad_request", [False, True])
+def test_image_requests_joining_together_share_one_prefill(monkeypatch, with_a_bad_request):
+    """Image requests of one shape that join in one step are prefilled by one forward of the model (a batch),
+    and each equals plain generate() alone (drafts accepted and rejected after it). One whose image tokens do not match its image fails the batch: then each runs alone, that one fails
+    ("error") and the others are as before."""
+    model = tiny_gemma3_vlm()
+    image = [297, 299, 299, 299, 299, 298]
+    prompts = [[2, 5, 6, *image, 7, 8, 9, 7, 8], [2, 9, 4, *image, 20, 21, 22, 20, 21], [2, 7, *image, 5, 6, 5, 6, 5, 6]]
+    pixels = [sign * (1 + 0.1 * torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(i))) for i, sign in enumerate((1, -1, 0.5))]
+    if with_a_bad_request:  # 3 image tokens for an image of 4: the model's forward raises
+        prompts.insert(1, [2, 5, 6, 297, 299, 299, 299, 298, 7, 8, 9, 7, 8, 9])
+        pixels.insert(1, pixels[0])
+    inputs = [{"pixel_values": p, "token_type_ids": (torch.tensor([prompt]) == 299).long()} for prompt, p in zip(prompts, pixels)]
+    batches = []
+    prefill = engine_module.prefill_with_model
+    monkeypatch.setattr(engine_module, "prefill_with_model", lambda model, ids, *a, **kw: batches.append(len(ids)) or prefill(model, ids, *a, **kw))
+    engine = SpeculativeEngine(model, ngram_config(k=3), max_batch_size=4)
+    greedy = {"max_new_tokens": 16, "do_sample": False}
+    ids = [engine.add_request(prompt, greedy, model_inputs=extra) for prompt, extra in zip(prompts, inputs)]
+    finished = {}
+    while engine.has_unfinished():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert batches == ([4, 1, 1, 1, 1] if with_a_bad_request else [3])
+    for request_id, prompt, extra in zip(ids, prompts, inputs):
+        if with_a_bad_request and prompt is prompts[1]:
+            assert finished[request_id].finish_reason == "error" and "tokens" in finished[request_id].error
+            continue
+        plain = plain_generate(model, input_ids=torch.tensor([prompt]), **extra, **greedy)
+        assert finished[request_id].token_ids == plain[0, len(prompt) :].tolist()
+    assert engine.metrics.num_accepted_tokens > 0 and engine.num_kv_blocks_used == 0
+
+
 def test_image_requests_refused_where_generate_refuses_them():
     """Hybrids (recurrent state): the engine refuses their image inputs, naming them."""
     engine = SpeculativeEngine(families.build_tiny_model("lfm2"), ngram_config(k=3), max_batch_size=2)
