@@ -523,9 +523,9 @@ def test_sampling_matches_exact_distribution_and_fails_reading_the_source_paddin
     assert max(exact.values()) < 0.5, "the distribution is nearly deterministic: the test would prove little"
     draft = {"method": "draft_model", "model": perturbed_copy(model, scale=0.3), "num_speculative_tokens": 2}
 
-    def samples() -> torch.Tensor:
+    def samples(count: int) -> torch.Tensor:
         rows, out = 500, []
-        for call in range(4):
+        for call in range(count // rows):
             sequences = model.generate(
                 input_ids=source.repeat(rows, 1), attention_mask=mask.repeat(rows, 1), max_new_tokens=NEW_TOKENS,
                 do_sample=True, **sampling, speculative_config={**draft, "seed": 7 + call * rows},
@@ -534,11 +534,12 @@ def test_sampling_matches_exact_distribution_and_fails_reading_the_source_paddin
             out.append(sequences[:, 1:].numpy())
         return np.concatenate(out)
 
-    assert chi_square_pvalue(samples(), exact) > 1e-3
+    assert chi_square_pvalue(samples(2000), exact) > 1e-3
     assert runs_one_row_per_forward(model) == (cache_class is EncoderDecoderRowCache)
     set_states = cache_class.set_encoder_states
     monkeypatch.setattr(cache_class, "set_encoder_states", lambda self, rows, out, mask: set_states(self, rows, out, None))
-    assert chi_square_pvalue(samples(), exact) < 1e-3
+    # measured at 500 samples broken: BART p = 0.0 (both caches); T5 reads its padding less: p = 9e-4 at 2000
+    assert chi_square_pvalue(samples(500 if model_type == "bart" else 2000), exact) < 1e-3
 
 
 @pytest.mark.parametrize("model_type", ["t5", "speech_to_text", "t5gemma"])

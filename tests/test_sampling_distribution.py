@@ -374,7 +374,8 @@ def small_vocab_family_model(model_type: str, seed: int = 0, **overrides):
 def assert_follows_exact_distribution_until_broken(model, seed: int, break_it) -> None:
     """2000 sampled continuations (fewer than elsewhere: these models run a forward per row) with drafts
     from a 16-token Llama sampled with their q pass the chi-square test against the enumerated
-    distribution, drafts accepted and rejected; after `break_it()` they fail it."""
+    distribution, drafts accepted and rejected; after `break_it()` 1000 fail it (measured: p below 1e-35 for
+    every broken variant at 1000 samples, 1e-3 needed)."""
     sampling = SETTINGS["temperature_topk_topp"]
     exact = exact_distribution(model, sampling)
     assert max(exact.values()) < 0.5, "the distribution is nearly deterministic: the test would prove little"
@@ -384,7 +385,7 @@ def assert_follows_exact_distribution_until_broken(model, seed: int, break_it) -
     assert 0 < accepted < sum(m["num_draft_tokens"] for m in metrics), "drafts all accepted or all rejected"
     assert chi_square_pvalue(samples, exact) > 1e-3
     break_it()
-    samples, _ = speculative_samples(model, sampling, config, num_samples=2000, seed=seed)
+    samples, _ = speculative_samples(model, sampling, config, num_samples=1000, seed=seed)
     assert chi_square_pvalue(samples, exact) < 1e-3
 
 

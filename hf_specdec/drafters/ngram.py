@@ -21,7 +21,7 @@ from ..config import TreeSpec
 from .base import DraftProposal, ProposeRequest
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _kmp_lps(pattern: np.ndarray) -> np.ndarray:
     """Longest proper prefix of pattern[:i+1] that is also its suffix, for every i."""
     lps = np.zeros(pattern.shape[0], dtype=np.int64)
@@ -39,7 +39,7 @@ def _kmp_lps(pattern: np.ndarray) -> np.ndarray:
     return lps
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _find_after_match(context: np.ndarray, n: int) -> int:
     """Index just after the first earlier occurrence of context's last n tokens, or -1."""
     pattern = context[-n:]
@@ -60,7 +60,7 @@ def _find_after_match(context: np.ndarray, n: int) -> int:
     return -1
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def propose_ngram_batch(
     flat_tokens: np.ndarray,
     row_starts: np.ndarray,
