@@ -65,7 +65,7 @@ LAYER_SKIP_REFUSALS = (
     "needs one decoder layer per num_hidden_layers|cannot find the decoder layers|not supported on an encoder-decoder target"
 )
 
-MAX_NEW_TOKENS = 30
+MAX_NEW_TOKENS = 20
 
 
 def prompts() -> list[list[int]]:
