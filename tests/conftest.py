@@ -115,6 +115,30 @@ def ngram_config(k: int = 5, lookup_min: int = 1, lookup_max: int = 4, **extra) 
     }
 
 
+# run in the background from the start where the real models are not converted yet (a new machine): the tests that
+# read them come late in the run, and a conversion (1.5-2.5 min for Gemma 3) would otherwise run alone at its end;
+# a test that needs a model while it is being converted waits on its lock (`real_models._filling`), then reads it
+REAL_MODELS_PREFETCH = "from hf_specdec.models import real_models as m; m.smollm2_path(); m.gemma3_path(); m.sharegpt_jsonl()"
+REAL_MODEL_FOLDERS = ("SmolLM2-135M-Instruct", "gemma-3-270m")  # (`real_models.smollm2_path`, `gemma3_path`)
+
+
+def pytest_configure(config):
+    from hf_specdec.models import real_models
+
+    cache = real_models.cache_dir()
+    ready = all(real_models.is_converted(cache / name) for name in REAL_MODEL_FOLDERS) and (cache / "sharegpt.jsonl").exists()
+    if not ready and not hasattr(config, "workerinput"):  # the controller of pytest -n, or the only process
+        config.real_model_prefetch = subprocess.Popen(
+            [sys.executable, "-c", REAL_MODELS_PREFETCH], stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )  # one thread, beside the workers
+
+
+def pytest_unconfigure(config):
+    prefetch = getattr(config, "real_model_prefetch", None)
+    if prefetch is not None:  # not killed: a conversion cut off would leave a half-written model folder
+        prefetch.wait()
+
+
 # model type -> why it is refused, filled by test_family_matrix.py and printed after the run
 REFUSED_FAMILIES: dict[str, str] = {}
 

@@ -656,9 +656,11 @@ class SpeculativeEngine:
             if len(group) == 1:
                 logger.exception("the model's own prefill or encoder of request %s failed", group[0][1].request_id)
                 return [self._fail_row(group[0][0], error)]
-        for row, _ in group:  # whatever the batch left in the rows' cache and drafters, before each runs alone
+        for row, request in group:  # whatever the batch left in the rows' cache and drafters, before each runs alone
             release_rows(self.state, self.cache, self.proposer, self.features, [row])
             self.state.finished[row] = False
+            if request.draft_sampling is not None:  # (the release dropped it)
+                set_row_sampling(self.proposer, row, request.draft_sampling)
         return [failure for one in group for failure in self._prefill_joining([one])]
 
     def _prefill_rows(self, group: list[tuple[int, _Request]]) -> None:

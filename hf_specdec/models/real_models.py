@@ -170,17 +170,18 @@ def _joined_gguf_folder(name: str, pieces: tuple[tuple[str, str], ...], sha256: 
     return _converted_once(cache_dir() / name, join_gguf)
 
 
+def is_converted(folder: Path) -> bool:
+    """Whether `folder` holds a converted model: its weights (one file, or shards) and tokenizer."""
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    return any((folder / f).exists() for f in weights) and (folder / "tokenizer.json").exists()
+
+
 def _converted_once(folder: Path, write_gguf: Callable[[Path], Path]) -> Path:
     """`folder` with a model converted to safetensors: on first use `write_gguf(a temporary folder)`
     puts its GGUF there and it is converted, one process at a time."""
-
-    def converted() -> bool:
-        weights = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards
-        return any((folder / f).exists() for f in weights) and (folder / "tokenizer.json").exists()
-
-    if not converted():
+    if not is_converted(folder):
         with _filling(folder.name):
-            if not converted():  # another process may have converted it while this one waited
+            if not is_converted(folder):  # another process may have converted it while this one waited
                 with tempfile.TemporaryDirectory() as tmp:
                     _gguf_to_safetensors(write_gguf(Path(tmp)), folder)
     return folder
