@@ -129,8 +129,9 @@ def pytest_configure(config):
     ready = all(real_models.is_converted(cache / name) for name in REAL_MODEL_FOLDERS) and (cache / "sharegpt.jsonl").exists()
     if not ready and not hasattr(config, "workerinput"):  # the controller of pytest -n, or the only process
         config.real_model_prefetch = subprocess.Popen(
-            [sys.executable, "-c", REAL_MODELS_PREFETCH], stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}
-        )  # one thread, beside the workers
+            [sys.executable, "-c", REAL_MODELS_PREFETCH], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # one thread, beside the workers; quiet (its progress bars): a test that reads a model it failed to make fails itself
 
 
 def pytest_unconfigure(config):
