@@ -203,6 +203,10 @@ def main() -> None:
     parser.add_argument("--burst-source-length", type=int, default=32)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.engine_burst < 0:
+        parser.error(f"--engine-burst must be 0 (off) or more, got {args.engine_burst}")
+    if args.burst_source_length < 1:
+        parser.error(f"--burst-source-length must be at least 1, got {args.burst_source_length}")
     torch.set_num_threads(2)
     results = []
     if args.engine_requests:
