@@ -247,16 +247,6 @@ def test_eagle_head_not_found(enabled_llama, tmp_path, monkeypatch):
         )
 
 
-def test_prefix_allowed_tokens_fn_rejected(enabled_llama):
-    with pytest.raises(ValueError, match="PrefixConstrainedLogitsProcessor"):
-        enabled_llama.generate(
-            **repeated_span_batch(1),
-            max_new_tokens=4,
-            prefix_allowed_tokens_fn=lambda batch_id, ids: list(range(3, 50)),
-            speculative_config=ngram_config(),
-        )
-
-
 def test_inputs_embeds_rejected(enabled_llama):
     inputs = repeated_span_batch(1)
     embeds = enabled_llama.get_input_embeddings()(inputs["input_ids"])

@@ -86,7 +86,7 @@ def test_forbidden_drafts_are_cut_before_the_verify(monkeypatch):
     inputs = left_padded_batch(repeated_span_prompts(3))
     config = {"method": "ngram", "num_speculative_tokens": 4}
     cut = generate(model, inputs, config, max_new_tokens=24, do_sample=False)
-    monkeypatch.setattr(step, "cut_forbidden_drafts", lambda processors, rows, drafts: drafts)
+    monkeypatch.setattr(step, "cut_forbidden_drafts", lambda processors, rows, drafts, prefix_of: drafts)
     whole = generate(model, inputs, config, max_new_tokens=24, do_sample=False)
     assert torch.equal(cut.sequences, whole.sequences)
     assert cut.spec_metrics["num_draft_tokens"] < whole.spec_metrics["num_draft_tokens"]

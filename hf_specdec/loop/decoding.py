@@ -28,6 +28,7 @@ from ..cache.prefill import check_model_prefill, prefill_with_model, prompt_atte
 from ..config import SpeculativeConfig
 from ..sampling.grammar import with_speculative_grammars
 from ..sampling.logits_processing import StopChecker, check_supported_processors, spread_over_rows
+from ..sampling.prefix_constraint import with_speculative_prefix_constraints
 from .encoder_decoder import (
     ENCODER_DECODER_INPUTS,
     batch_sources,
@@ -91,6 +92,7 @@ def generate(
         raise ValueError("streamer is supported at batch size 1 only (as transformers' streamers)")
 
     logits_processor = with_speculative_grammars(logits_processor, input_ids.shape[0], input_ids.shape[1])
+    logits_processor = with_speculative_prefix_constraints(logits_processor)
     logits_processor = spread_over_rows(logits_processor, input_ids.shape[0])
     # an encoder-decoder model's input_ids are its decoder's (one length), its attention_mask the encoder's
     state = _initial_state(

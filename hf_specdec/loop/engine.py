@@ -86,6 +86,7 @@ from ..sampling.logits_processing import (
     StopChecker,
     check_supported_processors,
 )
+from ..sampling.prefix_constraint import with_speculative_prefix_constraints
 from .auto_k import controller_for
 from .auto_tree import AutoTreeController
 from .encoder_decoder import check_encoder_decoder_config, hand_over_sources, source_limit
@@ -410,7 +411,8 @@ class SpeculativeEngine:
         return request_id
 
     def _request_processors(self, given: Sequence[LogitsProcessor] | None, prompt_width: int) -> LogitsProcessorList:
-        """A request's own processors, xgrammar's replaced by their speculative stand-ins."""
+        """A request's own processors, xgrammar's and `PrefixConstrainedLogitsProcessor` replaced by their
+        speculative stand-ins."""
         if given is None:
             return LogitsProcessorList()
         if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or not all(callable(p) for p in given):
@@ -421,7 +423,7 @@ class SpeculativeEngine:
             if is_xgrammar_processor(processor):
                 for compiled in processor.compiled_grammars:
                     self._check_grammar(compiled)
-        return LogitsProcessorList(with_speculative_grammars(LogitsProcessorList(given), 1, prompt_width))
+        return with_speculative_prefix_constraints(with_speculative_grammars(LogitsProcessorList(given), 1, prompt_width))
 
     def _check_model_inputs(
         self, given: dict[str, torch.Tensor] | None, prompt: np.ndarray

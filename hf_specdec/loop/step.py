@@ -25,8 +25,7 @@ from ..config import SpeculativeConfig
 from ..drafters import DraftProposal, Proposer, ProposeRequest
 from ..models.feature_capture import TargetFeatureCapture
 from ..profiling import StepTimer
-from ..sampling.grammar import cut_forbidden_drafts
-from ..sampling.logits_processing import StopChecker, accept_emitted, process_logits
+from ..sampling.logits_processing import StopChecker, accept_emitted, cut_forbidden_drafts, process_logits
 from ..sampling.metadata import SpecDecodeMetadata
 from ..sampling.rejection_sampler import draw_step_random, rejection_sample
 from ..sampling.tree import tree_depths
@@ -140,9 +139,13 @@ def speculative_step(
         )
     )
     trees = proposal.draft_parents  # None: every row's drafts are a chain
-    # a grammar-forbidden deterministic draft cannot pass: cut it here (a tree's are masked in the verify)
+    # a deterministic draft a grammar or prefix_allowed_tokens_fn forbids cannot pass: cut it here (a tree's
+    # are masked in the verify)
     if proposal.draft_probs is None and trees is None:
-        proposal.draft_token_ids = cut_forbidden_drafts(logits_processor, rows, proposal.draft_token_ids)
+        proposal.draft_token_ids = cut_forbidden_drafts(
+            logits_processor, rows, proposal.draft_token_ids,
+            lambda row: state.token_buffer[row, : state.seq_lens[row]].to(model.device),
+        )  # fmt: skip
     padding = padding_ends_forward(model)
     if padding is not None:  # a token after the padding id would read another position than one at a time
         proposal = proposal.shortened(_drafts_up_to(padding, [state.tokens(r)[-1] for r in rows], proposal.draft_token_ids))

@@ -18,7 +18,7 @@ drafts before it), and most drafts may be rejected. So inside the loop the proce
   own: `loop/tree_verify.tree_prefixes`); a forbidden node has probability 0, so neither it nor
   anything below it is accepted;
 - before the verify, cuts each row's chain of drafts at the first one its grammar forbids
-  (`cut_forbidden_drafts`; trees are not cut), so no target compute goes to positions that cannot be reached. That is
+  (`logits_processing.cut_forbidden_drafts`; trees are not cut), so no target compute goes to positions that cannot be reached. That is
   exact where the forbidden draft is not a sample of the drafter's own distribution (deterministic
   drafts, greedy rows): its position then yields a token drawn from the masked p either way. For
   drafts sampled from q it is not (a rejection there draws from the residual of p and q, not from
@@ -116,8 +116,9 @@ class SpeculativeGrammar:
             out[index.to(out.device)] = rows.to(out.device)
         return out
 
-    def allowed_prefix(self, row: int, drafts: np.ndarray) -> int:
-        """How many of the row's leading drafts its grammar allows (the matcher is left as it was)."""
+    def allowed_drafts(self, row: int, prefix: torch.Tensor, drafts: np.ndarray) -> int:
+        """How many of the row's leading drafts its grammar allows (the matcher, which holds the row's
+        tokens, is left as it was; `prefix`, those tokens, is not read)."""
         matcher, fed = self.matchers[row], 0
         for token in drafts.tolist():
             if matcher.is_terminated() or not matcher.accept_token(int(token)):
@@ -147,20 +148,6 @@ def with_speculative_grammars(
         SpeculativeGrammar.from_processor(p, batch_size, prompt_width) if is_xgrammar_processor(p) else p
         for p in logits_processor
     )
-
-
-def cut_forbidden_drafts(
-    logits_processor: LogitsProcessorList, rows: np.ndarray, drafts: list[np.ndarray]
-) -> list[np.ndarray]:
-    """Each row's deterministic drafts up to the first one a grammar forbids (see the module docstring
-    for why only drafts that carry no q of their own may be cut)."""
-    cut = []
-    for row, row_drafts in zip(rows, drafts):
-        grammars = row_grammars(logits_processor, int(row))
-        if grammars and len(row_drafts):
-            row_drafts = row_drafts[: min(g.allowed_prefix(at, row_drafts) for g, at in grammars)]
-        cut.append(row_drafts)
-    return cut
 
 
 def row_grammars(logits_processor: LogitsProcessorList, row: int) -> list[tuple[SpeculativeGrammar, int]]:

@@ -22,6 +22,7 @@ from transformers.generation import logits_process, stopping_criteria
 from ..transfer import to_device
 from .grammar import SpeculativeGrammar, row_grammars
 from .in_place import warp_in_place
+from .prefix_constraint import SpeculativePrefixConstraint
 from .top_p import warp_top_p
 
 # Processors whose output does not depend on input_ids: one call covers every position.
@@ -43,10 +44,8 @@ _POSITION_FREE = tuple(
     if hasattr(logits_process, name)
 )
 
-# Processors that cannot be replayed per position: they read the batch index, call a model,
-# or keep random state between calls.
+# Processors that cannot be replayed per position: they call a model or keep state between calls.
 _UNSUPPORTED = {
-    "PrefixConstrainedLogitsProcessor": "it calls prefix_allowed_tokens_fn with the batch index",
     "ClassifierFreeGuidanceLogitsProcessor": "it needs an unconditional model pass",
     "UnbatchedClassifierFreeGuidanceLogitsProcessor": "it needs an unconditional model pass",
     "WatermarkLogitsProcessor": "it keeps random state between calls",
@@ -167,8 +166,9 @@ def process_logits(
     batch_rows = buffer_rows if batch_rows is None else batch_rows
     scores = logits
     for processor in logits_processor:
-        # a grammar walks each row's drafts through its matcher; per-request processors dispatch by row
-        if isinstance(processor, (SpeculativeGrammar, RowLogitsProcessors)):
+        # a grammar walks each row's drafts through its matcher, a prefix constraint asks for each position
+        # not past a draft it forbids; per-request processors dispatch by row
+        if isinstance(processor, (SpeculativeGrammar, SpeculativePrefixConstraint, RowLogitsProcessors)):
             scores = processor.process(scores, token_buffer, buffer_rows, prefix_lens, batch_rows)
             continue
         if isinstance(processor, _POSITION_FREE):
@@ -184,6 +184,34 @@ def process_logits(
         _by_prefix_length(token_buffer, buffer_rows, prefix_lens, apply)
         scores = processed
     return scores
+
+
+def cut_forbidden_drafts(
+    logits_processor: LogitsProcessorList, rows: np.ndarray, drafts: list[np.ndarray],
+    prefix_of: Callable[[int], torch.Tensor],
+) -> list[np.ndarray]:  # fmt: skip
+    """Each row's deterministic drafts up to the first one a constraint (a grammar, `prefix_allowed_tokens_fn`)
+    forbids; `prefix_of(row)`: the row's tokens as plain generate() holds them (see `grammar.py` for why only
+    drafts that carry no q of their own may be cut)."""
+    cut = []
+    for row, row_drafts in zip(rows, drafts):
+        constraints = _row_constraints(logits_processor, int(row))
+        if constraints and len(row_drafts):
+            prefix = prefix_of(int(row))
+            row_drafts = row_drafts[: min(c.allowed_drafts(at, prefix, row_drafts) for c, at in constraints)]
+        cut.append(row_drafts)
+    return cut
+
+
+def _row_constraints(logits_processor: LogitsProcessorList, row: int) -> list[tuple[object, int]]:
+    """The processors constraining batch row `row` that can cut its drafts, each with the row's index in
+    it: the batch's (generate()), or its request's own (the engine's per-row processors: a batch of one)."""
+    kinds = (SpeculativeGrammar, SpeculativePrefixConstraint)
+    found = [(processor, row) for processor in logits_processor if isinstance(processor, kinds)]
+    for processor in logits_processor:
+        if isinstance(processor, RowLogitsProcessors):
+            found.extend((p, 0) for p in processor.by_row.get(row, ()) if isinstance(p, kinds))
+    return found
 
 
 def accept_emitted(logits_processor: LogitsProcessorList, row: int, tokens: torch.Tensor) -> None:
