@@ -35,6 +35,7 @@ from hf_specdec.cache.own_attention import (
 )
 from hf_specdec.drafters.ngram import NgramProposer
 from hf_specdec.loop import encoder_decoder
+from hf_specdec.loop import engine as engine_module
 from hf_specdec.loop import step as loop_step
 
 # model type -> the reason its refusal must give (a fragment of the ValueError)
@@ -573,6 +574,39 @@ def test_engine_sources_joining_together_run_the_encoder_once(monkeypatch, model
         assert [outputs[i] for i in ids] == plain, f"{config['method']}: differs from plain generate() on each source alone"
         assert encoded == [4] * (1 if config["method"] == "ngram" else 2), encoded  # the target's, then the draft's
         assert engine.num_kv_blocks_used == 0
+
+
+def test_engine_sampled_requests_whose_batched_encoder_failed_keep_their_draft_sampling(monkeypatch):
+    """When the batch of joining sources raises, each request runs alone; a sampled request's drafts are again
+    sampled from the draft model's processed distribution (the release before it dropped that), so each request's
+    seeded tokens equal those of the same request admitted alone. Without the restore they differ (checked)."""
+    model = families.build_tiny_encoder_decoder("t5")
+    batch = source_inputs(model, batch=3)
+    sources = [{name: values[row : row + 1, :7] for name, values in batch.items()} for row in range(3)]
+    start = [model.generation_config.decoder_start_token_id]
+    sampled = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": True, "temperature": 1.5}
+    config = {"method": "draft_model", "model": perturbed_copy(model, scale=0.3), "num_speculative_tokens": 3}
+    hand_over = engine_module.hand_over_sources
+
+    def run(batch_fails: bool) -> tuple[list[list[int]], int]:
+        def hand_over_one_at_a_time(engine, rows, *args):
+            if len(rows) > 1 and batch_fails:
+                raise RuntimeError("the batch's sources")
+            return hand_over(engine, rows, *args)
+
+        monkeypatch.setattr(engine_module, "hand_over_sources", hand_over_one_at_a_time)
+        if not batch_fails:  # each joins alone
+            monkeypatch.setattr(engine_module, "_batchable_groups", lambda joining, lengths: [[one] for one in joining])
+        engine = hf_specdec.SpeculativeEngine(model, config, max_batch_size=4)
+        ids = [engine.add_request(start, sampled, seed=11 + i, model_inputs=source) for i, source in enumerate(sources)]
+        outputs = {}
+        while engine.has_unfinished():
+            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert all(outputs[i].finish_reason == "length" for i in ids)
+        return [outputs[i].token_ids for i in ids], engine.metrics.num_accepted_tokens
+
+    after_failure, accepted = run(batch_fails=True)
+    assert after_failure == run(batch_fails=False)[0] and accepted > 0
 
 
 def test_engine_admits_sources_up_to_the_prefill_budget():
