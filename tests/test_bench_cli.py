@@ -27,7 +27,7 @@ PROMPTS = [
 ]
 SPEC_KEYS = {"tau", "alpha", "acceptance_per_position", "c", "mean_k_chosen", "k_chosen_counts", "tree",
              "mean_tree_size", "accepted_length_counts", "accepted_length_histogram", "verify_cost"}  # fmt: skip
-ARM_KEYS = {"k", "ttft_s", "tpot_s", "tokens_per_s", "ratio_vs_plain", "identical_fraction", "identical_rows", "rows",
+ARM_KEYS = {"k", "ttft_s", "tpot_s", "tokens_per_s", "tokens_per_s_per_batch", "ratio_vs_plain", "identical_fraction", "identical_rows", "rows",
             "divergences"}  # fmt: skip
 VERIFY_KEYS = {"nodes", "tokens_per_row", "batch_size", "tree", "decode_forward_s", "verify_forward_s", "ratio",
                "ratio_of_minimums", "repeats"}  # fmt: skip
@@ -73,6 +73,7 @@ def test_bench_ngram_auto_with_sweep_png_and_json(model_folder, prompts_file, tm
     for name, arm in arms.items():
         assert ARM_KEYS <= set(arm), name
         assert arm["tokens_per_s"] > 0 and arm["ttft_s"] > 0
+        assert len(arm["tokens_per_s_per_batch"]) == 3 and min(arm["tokens_per_s_per_batch"]) > 0  # a prompt per batch
         # TPOT is (full call - separate TTFT call) / tokens: on this tiny model both calls take a few ms,
         # so CPU noise can push the difference below 0; only its presence is behaviour
         assert isinstance(arm["tpot_s"], float)

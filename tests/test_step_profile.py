@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import EOS_TOKEN_ID, PAD_TOKEN_ID, build_tiny_llama
+from conftest import EOS_TOKEN_ID, PAD_TOKEN_ID, build_tiny_llama, load_benchmark
 from test_bench_cli import bench_args, model_folder, prompts_file  # noqa: F401 (fixtures)
 from test_eagle import random_head
 from test_mtp import mtp_config, target  # noqa: F401 (fixture)
@@ -163,6 +163,20 @@ def test_bench_profile_and_temperature(model_folder, prompts_file, tmp_path, cap
     table = capsys.readouterr().out
     assert "sampled at temperature 0.7" in table and "meas/pred" in table and "decode/pred" in table
     assert "plain: not our loop: no breakdown" in table
+
+
+def test_bench_profile_compares_auto_with_the_best_k_batch_by_batch():
+    """`bench_profile.py --summarize`: auto k against the best fixed k as the ratio of their medians over
+    batches (each over plain's on the batch) and as the median of auto / best on each batch."""
+    arm = lambda k, rates, ratio: {"k": k, "tokens_per_s_per_batch": rates, "ratio_vs_plain_fast_linears": ratio}  # noqa: E731
+    result = {"num_prompts": 3, "settings": {"batch_size": 1}, "arms": {
+        "ours": arm("auto", [10.0, 12.0, 9.0], 1.30), "ours_k2": arm(2, [9.0, 11.0, 10.0], 1.25),
+        "ours_k4": arm(4, [10.0, 10.0, 10.0], 1.40),
+    }}  # fmt: skip
+    lines = load_benchmark("bench_profile").summarize({"run": result}).splitlines()
+    assert lines[-1] == (
+        "  auto k 1.30x against the best fixed k (ours_k4) 1.40x: 92.9%; batch by batch (median of auto / ours_k4): 100.0%"
+    )
 
 
 def test_bench_temperature_must_be_positive(model_folder, prompts_file, capsys):  # noqa: F811

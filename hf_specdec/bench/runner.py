@@ -286,6 +286,7 @@ def summarize(
             "ttft_s": statistics.median(arm_runs.ttft_s),
             "tpot_s": statistics.median(tpot) if tpot else None,
             "tokens_per_s": statistics.median(rates),
+            "tokens_per_s_per_batch": rates,  # in batch order: arms compared batch by batch (`bench_profile.py`)
             "ratio_vs_plain": statistics.median(r / p for r, p in zip(rates, plain_rates)),
             # None where no row was compared (plain itself; sampled runs, which differ draw for draw)
             "identical_fraction": arm_runs.identical / arm_runs.rows if arm_runs.rows else None,
