@@ -107,17 +107,21 @@ def test_onednn_route_matches_float64_and_packs_each_weight_once(monkeypatch, ro
     assert len(packs) == 1
 
 
-def test_onednn_route_packs_again_after_the_weight_changes():
+@pytest.mark.parametrize("backend", ["onednn", "numba"])
+def test_routes_follow_the_weight_after_it_changes(backend):
+    """oneDNN's packed copy is packed again; the numba route's NumPy views of the weight and bias are taken again."""
     layer = torch.nn.Linear(64, 32)
     x = torch.randn(3, 64)
-    with torch.no_grad(), fast_cpu_linears(layer, backend="onednn"):
+    with torch.no_grad(), fast_cpu_linears(layer, backend=backend):
         layer(x)
         layer.weight.mul_(2)  # in place (training steps, load_state_dict)
         doubled = layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
         layer.weight = torch.nn.Parameter(torch.randn(32, 64))  # replaced
         replaced = layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
-    torch.testing.assert_close(*doubled, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(*replaced, rtol=1e-5, atol=1e-5)
+        layer.bias = torch.nn.Parameter(torch.randn(32))  # the bias alone replaced
+        new_bias = layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+    for got, expected in (doubled, replaced, new_bias):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_onednn_route_does_not_pack_where_memory_is_short(monkeypatch):

@@ -249,13 +249,28 @@ def _numba_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // self.in_features
     if not _inference_fp32_cpu(x) or rows > SMALL_BATCH_ROWS:
         return _onednn_forward(self, x) if onednn_available() else torch.nn.functional.linear(x, self.weight, self.bias)
-    out = x.new_empty(rows, self.out_features)
-    bias = self.bias.detach().numpy() if self.bias is not None else _NO_BIAS
-    _small_batch_linear(x.reshape(rows, -1).contiguous().numpy(), self.weight.detach().numpy(), bias, out.numpy())
+    weight, bias = _numpy_arrays(self)
+    out = torch.empty(rows, self.out_features)
+    _small_batch_linear(np.ascontiguousarray(x.numpy()).reshape(rows, self.in_features), weight, bias, out.numpy())
     return out.view(*x.shape[:-1], self.out_features)
 
 
 _NO_BIAS = np.empty(0, dtype=np.float32)
+# each linear's weight and bias as NumPy arrays (views of the same memory: a change in place shows), with the
+# addresses they were taken from (a replaced weight or bias is taken again): taken once, not per call (a SmolLM2
+# forward makes 211 calls; per call, one row, on 2 threads: 27 -> 22 us for a 64x64 linear, 48 -> 44 us for 576x576)
+_NUMPY_ARRAYS: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[tuple[int, int], np.ndarray, np.ndarray]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _numpy_arrays(linear: torch.nn.Linear) -> tuple[np.ndarray, np.ndarray]:
+    weight, bias = linear.weight, linear.bias
+    stamp = (weight.data_ptr(), 0 if bias is None else bias.data_ptr())
+    held = _NUMPY_ARRAYS.get(linear)
+    if held is None or held[0] != stamp:
+        held = _NUMPY_ARRAYS[linear] = (stamp, weight.detach().numpy(), _NO_BIAS if bias is None else bias.detach().numpy())
+    return held[1], held[2]
 
 
 @functools.cache
