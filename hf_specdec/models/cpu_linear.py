@@ -250,7 +250,7 @@ def _numba_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not _inference_fp32_cpu(x) or rows > SMALL_BATCH_ROWS:
         return _onednn_forward(self, x) if onednn_available() else torch.nn.functional.linear(x, self.weight, self.bias)
     weight, bias = _numpy_arrays(self)
-    out = torch.empty(rows, self.out_features)
+    out = torch.empty(rows, self.out_features, dtype=torch.float32)
     _small_batch_linear(np.ascontiguousarray(x.numpy()).reshape(rows, self.in_features), weight, bias, out.numpy())
     return out.view(*x.shape[:-1], self.out_features)
 
