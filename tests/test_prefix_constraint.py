@@ -159,6 +159,10 @@ def test_several_sequences_per_prompt_are_refused(target):
             **inputs, max_new_tokens=4, do_sample=True, num_return_sequences=2, pad_token_id=0,
             prefix_allowed_tokens_fn=lambda batch_id, ids: list(range(VOCAB_SIZE)), speculative_config=ngram_config(),
         )  # fmt: skip
+    engine = SpeculativeEngine(target, ngram_config())  # a request's own processor, built for 2 sequences
+    with pytest.raises(ValueError, match="PrefixConstrainedLogitsProcessor built for 2 sequences per prompt"):
+        engine.add_request([5, 6, 7], {"max_new_tokens": 4}, logits_processor=[PrefixConstrainedLogitsProcessor(lambda b, ids: [5], 2)])
+    assert engine.num_waiting == 0
 
 
 def test_engine_requests_each_with_its_own_constraint(target):

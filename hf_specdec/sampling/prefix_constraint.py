@@ -45,7 +45,8 @@ class SpeculativePrefixConstraint:
     def from_processor(cls, processor: PrefixConstrainedLogitsProcessor) -> SpeculativePrefixConstraint:
         if processor._num_beams != 1:
             raise ValueError(
-                f"prefix_allowed_tokens_fn with num_return_sequences={processor._num_beams} is not supported with "
+                f"prefix_allowed_tokens_fn with num_return_sequences={processor._num_beams} (a "
+                f"PrefixConstrainedLogitsProcessor built for {processor._num_beams} sequences per prompt) is not supported with "
                 "speculative decoding: transformers forces an unsatisfiable constraint's tokens only when all of a "
                 "prompt's sequences are unsatisfiable at once, and speculation advances them separately; allowed: "
                 "num_return_sequences=1 (repeat the prompt in the batch instead)"
