@@ -15,6 +15,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.loop import auto_k, engine
 from hf_specdec.loop.auto_k import (
     AutoKController,
+    DepthAcceptance,
     best_k,
     best_k_for_costs,
     choose_k,
@@ -84,11 +85,12 @@ def test_choose_k_known_values():
 
 
 def simulate(
-    controller: AutoKController, alpha: float, c_of_rows, rows_of_step, steps: int, seed: int = 0, cost_of=None
+    controller: AutoKController, alpha: float, c_of_rows, rows_of_step, steps: int, seed: int = 0, cost_of=None,
+    alphas: list | None = None,
 ):
     """Drive the controller with synthetic steps: every row drafts the k asked, accepts a geometric
     run of them, and the step takes t_plain (1 + c k) seconds (or t_plain cost_of(rows, k)) with 2 %
-    noise. Returns the ks chosen."""
+    noise. Returns the ks chosen; `alphas` receives the alpha estimate after each step."""
     rng = random.Random(seed)
     chosen = []
     for step in range(steps):
@@ -106,14 +108,18 @@ def simulate(
         cost = 1 + c_of_rows(rows) * k if cost_of is None else cost_of(rows, k)
         seconds = t_plain * cost * (1 + 0.02 * (rng.random() - 0.5))
         controller.record_step(seconds, k, [k] * rows, accepted)
+        if alphas is not None:
+            alphas.append(controller.alpha)
     return chosen
 
 
 @pytest.mark.parametrize("alpha,c", [(0.8, 0.05), (0.6, 0.1), (0.9, 0.02), (0.5, 0.25)])
 def test_controller_converges_to_the_formulas_k(alpha, c):
     controller = AutoKController(k_max=8, probe_interval=32)
-    chosen = simulate(controller, alpha, lambda rows: c, lambda step: 4, steps=400)
-    assert controller.alpha == pytest.approx(alpha, abs=0.08)
+    alphas = []
+    chosen = simulate(controller, alpha, lambda rows: c, lambda step: 4, steps=400, alphas=alphas)
+    # the estimate's window is about ten steps (a few dozen trials at k = 1): its mean over the late steps
+    assert sum(alphas[200:]) / 200 == pytest.approx(alpha, abs=0.05)
     assert controller.c(4) == pytest.approx(c, abs=0.02)
     expected = choose_k(alpha, c, 8)
     assert expected > 0
@@ -222,6 +228,74 @@ def test_controller_prices_each_k_by_its_own_steps():
     # the single c fitted to the same steps (nearly all k = 3) prices k = 8 as cheap: on the line
     # alone the controller kept trying 4+ (it chose 3 and 4 about equally)
     assert 1 + controller.c(1) * 8 < 1.3
+
+
+def test_depth_acceptance_reads_each_depth_and_leans_on_the_one_above():
+    depths = DepthAcceptance(4, decay=1.0, prior_weight=2.0)
+    assert depths.rates(0.5) == pytest.approx([0.5] * 4)  # nothing tried: every depth reads as the prior
+    for _ in range(8):
+        depths.record(depth=2, accepted=1)  # depth 1 passes, depth 2 fails
+    depths.record(depth=2, accepted=2)
+    a1, a2, a3, a4 = depths.rates(0.5)
+    assert a1 == pytest.approx((9 + 1.0) / (9 + 2))
+    assert a2 == pytest.approx((1 + 2 * a1) / (9 + 2))
+    assert a3 == a4 == pytest.approx(a2)  # never tried: the depth above
+    assert depths.expected_tokens(0.5)[:2] == pytest.approx([1 + a1, 1 + a1 + a1 * a2])
+    depths.record(depth=1, accepted=1)  # a row that drafted one and took it says nothing of depth 2
+    assert depths.rates(0.5)[1] == pytest.approx((1 + 2 * depths.rates(0.5)[0]) / (9 + 2))
+
+
+def test_a_tree_taken_to_its_depth_counts_no_rejection():
+    """auto k with a draft tree: k is the tree's depth and it drafts more nodes than that; a path accepted
+    k deep failed nowhere."""
+    controller = AutoKController(k_max=4, alpha_prior=0.5, prior_weight=4.0, decay=0.9)
+    controller.record_step(0.1, 2, [6], [2])  # 6 nodes, 2 deep: the path taken whole
+    assert controller.alpha == pytest.approx((0.9 * 2 + 2) / (0.9 * 4 + 2))
+    assert controller._depth_acceptance.rates(0.5)[2] == pytest.approx(controller._depth_acceptance.rates(0.5)[1])
+    controller.record_step(0.1, 2, [6], [1])  # 1 deep: the second depth failed
+    assert controller._depth_acceptance.rates(0.5)[1] < controller._depth_acceptance.rates(0.5)[0]
+
+
+def test_controller_chooses_k_on_each_depths_acceptance():
+    """A head whose first draft is right 80% of the time and later ones never (trained to draft one step):
+    further drafts only cost. The pooled alpha says 0.8 for every depth where k = 1 runs, and a mix of depths
+    where a larger k runs; each depth's own acceptance picks k = 1 (the pooled alpha alone kept to k = 2-3)."""
+    rng = random.Random(0)
+    controller = AutoKController(k_max=8, probe_interval=32)
+    chosen = []
+    for _ in range(400):
+        k = controller.next_k(1)
+        chosen.append(k)
+        accepted = 0
+        while accepted < k and accepted == 0 and rng.random() < 0.8:
+            accepted += 1
+        controller.record_step(0.01 * (1 + 0.1 * k) * (1 + 0.02 * (rng.random() - 0.5)), k, [k], [accepted])
+    late = [k for k in chosen[100:] if k > 0]
+    assert late.count(1) >= 0.8 * len(late), sorted(set(late))
+    assert choose_k(controller.alpha, 0.1, 8) >= 2  # what the pooled alpha alone would have chosen
+
+
+def test_a_stalled_step_moves_its_ks_price_by_a_bounded_amount():
+    """A CPU VM stalls now and then: a step at twice its measured price counts as STEP_TIME_CLIP of it, so its
+    k keeps its place; the first time a k runs, its time counts whole (it replaces the line's guess)."""
+    controller = AutoKController(k_max=4, probe_interval=1000)
+    for _ in range(auto_k.UNTIMED_STEPS):
+        controller.record_step(0.1, 2, [2], [1])
+    controller.record_step(0.040, 0, [0], [0])  # the plain time: 40 ms
+    controller.record_step(0.1, 2, [2], [1])  # the head's catch-up after a plain step: untimed
+    controller.record_step(0.080, 2, [2], [1])  # k = 2's first timed step: dear, and taken whole
+    first = controller.step_cost(1, 2)
+    assert first > 1.5
+    for _ in range(30):
+        controller.record_step(0.044, 2, [2], [1])
+    settled = controller.step_cost(1, 2)
+    assert settled == pytest.approx(1.1, abs=0.02)
+    weight = controller._decay * controller._step_seconds[(1, 2)].denominator
+    controller.record_step(0.088, 2, [2], [1])  # a stall: twice the price
+    stalled_price = settled * (weight + auto_k.STEP_TIME_CLIP) / (weight + 1)
+    assert controller.step_cost(1, 2) == pytest.approx(stalled_price, rel=0.02)
+    controller.record_step(0.080, 0, [0], [0])  # a stalled plain step: at most STEP_TIME_CLIP of the plain time
+    assert controller._plain[1].seconds.value <= 0.040 * (auto_k.PLAIN_DECAY + auto_k.STEP_TIME_CLIP) / (auto_k.PLAIN_DECAY + 1) + 1e-9
 
 
 def test_a_batch_that_ends_together_chooses_k_for_its_last_row():

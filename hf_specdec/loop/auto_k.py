@@ -65,6 +65,20 @@ fixed k when it started from the priors in every call). `forget(model)` starts i
   chosen again, so not measured again: on an AMD EPYC Zen 4, SmolLM2's EAGLE-3 head at batch 1 had
   k = 1 priced at 1.47 plain steps against the 1.06 its steps cost, drafted nothing in 42% of its
   steps and reached 87-90% of fixed k = 1.
+- Acceptance by depth: k is chosen on `DepthAcceptance`, each draft depth's own chance of being accepted
+  given the drafts before it were, not on one alpha for every depth. A head's later drafts are worse
+  guesses (SmolLM2's EAGLE-3 head on MT-bench answers: 0.51, 0.47, 0.37, 0.27 at depths 1-4), so the
+  pooled alpha, learned mostly at depths 1-2, priced k = 3-4 too high; an n-gram match's later drafts are
+  often better. Each depth keeps about its last 20 trials (`DEPTH_DECAY` per trial at that depth: a depth
+  tried rarely keeps what its last trials said) and leans toward the depth above it (`DEPTH_PRIOR_WEIGHT`
+  trials; depth 1 toward the pooled alpha), so a depth not tried yet reads as the one above. The pooled
+  alpha still decides whether to speculate at all (below), and a batch's last row (below) is priced on its
+  own alpha.
+- A step's time counts at most `STEP_TIME_CLIP` times its price so far once that price was measured (a
+  plain step: its plain time): a CPU VM stalls now and then, and a step that took twice its price made its k
+  look dear for the next ten steps, so auto k left the best k. Replayed on the EAGLE-3 head's greedy
+  acceptance along 80 MT-bench answers with step times from a run (`benchmarks/auto_k_replay.py`, 5% of the
+  steps stalled to 2x), depth and clip together took auto k from 95.9% to 98.0% of the best fixed k.
 - Off only when even an optimistic alpha (`optimistic_alpha`: one standard error above the
   estimate, the decayed trial count as the sample size) predicts no k above 1; k itself is chosen
   on the estimate. A few early rejections (EAGLE-3 on SmolLM2 at batch 1: its first four drafts
@@ -101,6 +115,12 @@ UNTIMED_STEPS = 2
 PLAIN_BORROW_RANGE = 0.25
 # weight kept by earlier plain step times per plain step (one comes every `probe_interval` steps or so)
 PLAIN_DECAY = 0.7
+# `DepthAcceptance`: weight kept by a depth's earlier trials per trial there; the weight, in trials, of its
+# lean toward the depth above
+DEPTH_DECAY = 0.95
+DEPTH_PRIOR_WEIGHT = 4.0
+# a timed step counts at most this many times its measured price (module docstring)
+STEP_TIME_CLIP = 1.3
 
 
 def predicted_speedup(alpha: float, c: float, k: int) -> float:
@@ -121,11 +141,21 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 def best_k_for_costs(alpha: float, step_costs: Sequence[float]) -> int:
     """The k in 1..len(step_costs) with the most tokens per unit of cost (`step_costs[k - 1]`: a
-    step with k drafts, in plain steps): the smallest k within `TIE_TOLERANCE` of the best (with
-    free drafts the ratio creeps up by float rounding only: more drafts, no gain)."""
+    step with k drafts, in plain steps), each draft accepted with probability alpha given the ones
+    before it were: `best_k_for_tokens`."""
+    return best_k_for_tokens([expected_tokens(alpha, k) for k in range(1, len(step_costs) + 1)], step_costs)
+
+
+def best_k_for_tokens(tokens: Sequence[float], step_costs: Sequence[float]) -> int:
+    """The k in 1..len(step_costs) with the most tokens per unit of cost (`tokens[k - 1]`: a step with k
+    drafts yields that many on average, at `step_costs[k - 1]` plain steps): the smallest k within
+    `TIE_TOLERANCE` of the best (with free drafts the ratio creeps up by float rounding only: more
+    drafts, no gain)."""
     if not step_costs or any(cost <= 0 for cost in step_costs):
         raise ValueError(f"step_costs={list(step_costs)!r} is invalid; allowed: one cost > 0 per k = 1, 2, ...")
-    speedups = [expected_tokens(alpha, k) / cost for k, cost in enumerate(step_costs, start=1)]
+    if len(tokens) != len(step_costs):
+        raise ValueError(f"tokens has {len(tokens)} entries and step_costs {len(step_costs)}; allowed: one each per k")
+    speedups = [n / cost for n, cost in zip(tokens, step_costs)]
     best = max(speedups)
     return next(k for k, s in enumerate(speedups, start=1) if s >= best * (1 - TIE_TOLERANCE))
 
@@ -169,6 +199,39 @@ class DecayedRatio:
         return self.numerator / self.denominator
 
 
+class DepthAcceptance:
+    """Acceptance by draft depth (module docstring): depth j's chance that draft j is accepted given
+    drafts 1..j-1 were, from the trials at that depth, each depth leaning toward the one above it."""
+
+    def __init__(self, max_depth: int, decay: float = DEPTH_DECAY, prior_weight: float = DEPTH_PRIOR_WEIGHT):
+        self._depths = [DecayedRatio(0.0, 0.0, decay) for _ in range(max_depth)]
+        self._prior_weight = prior_weight
+
+    def record(self, depth: int, accepted: int) -> None:
+        """One row's drafted step, `depth` drafts deep: drafts 1..accepted passed, the next (if drafted) failed."""
+        for ratio in self._depths[:accepted]:
+            ratio.update(1.0, 1.0)
+        if accepted < min(depth, len(self._depths)):
+            self._depths[accepted].update(0.0, 1.0)
+
+    def rates(self, first_prior: float) -> list[float]:
+        """Each depth's acceptance, depth 1 leaning toward `first_prior`."""
+        rates, prior = [], first_prior
+        for depth in self._depths:
+            prior = (depth.numerator + self._prior_weight * prior) / (depth.denominator + self._prior_weight)
+            rates.append(prior)
+        return rates
+
+    def expected_tokens(self, first_prior: float) -> list[float]:
+        """Tokens a step with k = 1, 2, ... drafts yields on average: 1 + a_1 + a_1 a_2 + ... (k terms)."""
+        tokens, reached, total = [], 1.0, 1.0
+        for rate in self.rates(first_prior):
+            reached *= rate
+            total += reached
+            tokens.append(total)
+        return tokens
+
+
 @dataclass
 class PlainStepTime:
     seconds: DecayedRatio  # seconds per plain step
@@ -205,6 +268,7 @@ class AutoKController:
         self.k_max = k_max
         self.probe_interval = probe_interval
         self._alpha = DecayedRatio(alpha_prior * prior_weight, prior_weight, decay)
+        self._depth_acceptance = DepthAcceptance(k_max)
         self._c_prior, self._prior_weight, self._decay = c_prior, prior_weight, decay
         self._c: dict[int, DecayedRatio] = {}  # by number of active rows
         self._step_seconds: dict[tuple[int, int], DecayedRatio] = {}  # by (active rows, k): seconds per step
@@ -270,16 +334,19 @@ class AutoKController:
         """k for the next step of `num_rows` active rows: the formula's choice, or a probe. `last_row`: in a
         batch that ends with its last row, the row furthest from its end, whose alpha then decides."""
         estimate = self._row_alpha.get(last_row) if last_row is not None and num_rows > 1 else None
-        alpha, optimistic = (self.alpha, self.optimistic_alpha) if estimate is None else (estimate.value, _optimistic(estimate))
+        if estimate is None:
+            tokens, optimistic = self._depth_acceptance.expected_tokens(self.alpha), self.optimistic_alpha
+        else:
+            tokens, optimistic = [expected_tokens(estimate.value, k) for k in range(1, self.k_max + 1)], _optimistic(estimate)
         costs = [self.step_cost(num_rows, k) for k in range(1, self.k_max + 1)]
-        k = best_k_for_costs(alpha, costs) if choose_k_for_costs(optimistic, costs) else 0
+        k = best_k_for_tokens(tokens, costs) if choose_k_for_costs(optimistic, costs) else 0
         if self._untimed_steps:  # no decode timing to take: speculate on the estimates
             return k
         plain = self._plain_time(num_rows)
         if plain is None or self._steps - plain.last_step >= self.probe_interval:
             return 0
         if k == 0 and self._steps - self._last_drafted_step >= self.probe_interval:
-            return best_k_for_costs(alpha, costs)
+            return best_k_for_tokens(tokens, costs)
         if k and self._steps % self.probe_interval == self.probe_interval // 2:  # halfway between plain probes
             return self._neighbour_to_time(num_rows, k)
         return k
@@ -298,14 +365,19 @@ class AutoKController:
         """One finished step: its wall time, the k it ran with (the limit per row) and, per active
         row, drafts proposed and accepted; `rows`: the active rows, for their own alphas."""
         self._steps += 1
+        # how deep each row drafted: a chain's length; a tree's nodes go at most k deep (its depth is k)
+        depths = [min(drafted, k) for drafted in num_draft_tokens]
         if rows is not None and k > 0:
-            for row, drafted, row_accepted in zip(rows, num_draft_tokens, num_accepted):
+            for row, depth, row_accepted in zip(rows, depths, num_accepted):
                 estimate = self._row_alpha.get(row)
                 if estimate is None:  # from the pooled estimate, weighing as its prior does
                     estimate = self._row_alpha[row] = DecayedRatio(self.alpha * self._prior_weight, self._prior_weight, self._decay)
-                estimate.update(row_accepted, row_accepted + (row_accepted < drafted or drafted == 0))
+                estimate.update(row_accepted, row_accepted + (row_accepted < depth or depth == 0))
+        for depth, row_accepted in zip(depths, num_accepted):
+            if depth:
+                self._depth_acceptance.record(depth, row_accepted)
         accepted = sum(num_accepted)
-        rejections = sum(1 for d, a in zip(num_draft_tokens, num_accepted) if a < d)
+        rejections = sum(1 for depth, a in zip(depths, num_accepted) if a < depth)
         if accepted + rejections:
             self._alpha.update(accepted, accepted + rejections)
         drafted_per_row = sum(num_draft_tokens) / len(num_draft_tokens)
@@ -323,13 +395,15 @@ class AutoKController:
             if plain is None:
                 self._plain[num_rows] = PlainStepTime(DecayedRatio(seconds, 1.0, PLAIN_DECAY), self._steps)
             else:  # recent plain steps weigh more (`PLAIN_DECAY`): the context, and with it the step time, grows
-                plain.seconds.update(seconds, 1.0)
+                plain.seconds.update(min(seconds, STEP_TIME_CLIP * plain.seconds.value), 1.0)
                 plain.last_step = self._steps
         elif (plain := self._plain_time(num_rows)) is not None:
-            cost = seconds / plain.seconds.value
             key = (num_rows, k)
             if key not in self._step_seconds:  # starts from the line's price, weighing as one step
                 self._step_seconds[key] = DecayedRatio(self.step_cost(*key) * plain.seconds.value, 1.0, self._decay)
+            else:  # a measured price: a stall counts as `STEP_TIME_CLIP` of it
+                seconds = min(seconds, STEP_TIME_CLIP * self._step_seconds[key].value)
+            cost = seconds / plain.seconds.value
             self._step_seconds[key].update(seconds, 1.0)
             self._timed_at[key] = self._steps
             # weighted by k_drafted: a step that drafted little says little about the cost per draft
