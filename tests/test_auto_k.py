@@ -234,26 +234,15 @@ def test_depth_acceptance_reads_each_depth_and_leans_on_the_one_above():
     depths = DepthAcceptance(4, decay=1.0, prior_weight=2.0)
     assert depths.rates(0.5) == pytest.approx([0.5] * 4)  # nothing tried: every depth reads as the prior
     for _ in range(8):
-        depths.record(depth=2, accepted=1)  # depth 1 passes, depth 2 fails
-    depths.record(depth=2, accepted=2)
+        depths.record(drafted=2, accepted=1)  # depth 1 passes, depth 2 fails
+    depths.record(drafted=2, accepted=2)
     a1, a2, a3, a4 = depths.rates(0.5)
     assert a1 == pytest.approx((9 + 1.0) / (9 + 2))
     assert a2 == pytest.approx((1 + 2 * a1) / (9 + 2))
     assert a3 == a4 == pytest.approx(a2)  # never tried: the depth above
     assert depths.expected_tokens(0.5)[:2] == pytest.approx([1 + a1, 1 + a1 + a1 * a2])
-    depths.record(depth=1, accepted=1)  # a row that drafted one and took it says nothing of depth 2
+    depths.record(drafted=1, accepted=1)  # a row that drafted one and took it says nothing of depth 2
     assert depths.rates(0.5)[1] == pytest.approx((1 + 2 * depths.rates(0.5)[0]) / (9 + 2))
-
-
-def test_a_tree_taken_to_its_depth_counts_no_rejection():
-    """auto k with a draft tree: k is the tree's depth and it drafts more nodes than that; a path accepted
-    k deep failed nowhere."""
-    controller = AutoKController(k_max=4, alpha_prior=0.5, prior_weight=4.0, decay=0.9)
-    controller.record_step(0.1, 2, [6], [2])  # 6 nodes, 2 deep: the path taken whole
-    assert controller.alpha == pytest.approx((0.9 * 2 + 2) / (0.9 * 4 + 2))
-    assert controller._depth_acceptance.rates(0.5)[2] == pytest.approx(controller._depth_acceptance.rates(0.5)[1])
-    controller.record_step(0.1, 2, [6], [1])  # 1 deep: the second depth failed
-    assert controller._depth_acceptance.rates(0.5)[1] < controller._depth_acceptance.rates(0.5)[0]
 
 
 def test_controller_chooses_k_on_each_depths_acceptance():
@@ -577,3 +566,22 @@ def test_auto_sampling_matches_exact_distribution(monkeypatch):
     samples, _ = speculative_samples(model, sampling, config, num_samples=4000, seed=1234)
     assert len(set(chosen)) > 1, chosen  # k really varied (a probe step at least)
     assert chi_square_pvalue(samples, exact_distribution(model, sampling)) > 1e-3
+
+
+def test_auto_k_replay_benchmark_steps_along_recorded_acceptance():
+    """`benchmarks/auto_k_replay.py`: a step at position p with k drafts takes min(m_p, k) of them and moves on
+    past them and the target's own token; time is each step's price in plain steps."""
+    from conftest import load_benchmark
+
+    replay_module = load_benchmark("auto_k_replay")
+    assert replay_module.match_lengths(torch.tensor([[0, 0, 3], [1, 0, 0], [0, 2, 0]])) == [2, 0, 1]
+    lengths = [3, 9, 9, 0, 1, 9, 9, 9]  # m_p along an answer of 8 positions
+    costs = [1.2, 1.5, 1.8]
+    (per_answer,), ks = replay_module.replay([lengths], 2, costs, noise=0.0, stalls=0.0, stall_factor=2.0, seed=0)
+    # p=0: takes 2, to p=3; p=3: takes 0, to 4; p=4: takes 1, to 6; p=6: takes 2, to 9
+    assert ks == [2, 2, 2, 2] and per_answer == (8, pytest.approx(4 * 1.5))
+    (stalled,), _ = replay_module.replay([lengths], 2, costs, noise=0.0, stalls=1.0, stall_factor=2.0, seed=0)
+    assert stalled[1] == pytest.approx(2 * 4 * 1.5)
+    controller = AutoKController(3)
+    (auto,), auto_ks = replay_module.replay([lengths * 8], controller, costs, noise=0.0, stalls=0.0, stall_factor=2.0, seed=0)
+    assert auto[0] == 64 and 0 in auto_ks and controller._steps == len(auto_ks)

@@ -77,8 +77,9 @@ fixed k when it started from the priors in every call). `forget(model)` starts i
 - A step's time counts at most `STEP_TIME_CLIP` times its price so far once that price was measured (a
   plain step: its plain time): a CPU VM stalls now and then, and a step that took twice its price made its k
   look dear for the next ten steps, so auto k left the best k. Replayed on the EAGLE-3 head's greedy
-  acceptance along 80 MT-bench answers with step times from a run (`benchmarks/auto_k_replay.py`, 5% of the
-  steps stalled to 2x), depth and clip together took auto k from 95.9% to 98.0% of the best fixed k.
+  acceptance with step prices from a run (`benchmarks/auto_k_replay.py`, 5% of the steps stalled to 2x),
+  depth and clip together took auto k from 96.6% to 98.3% of the best fixed k along 80 MT-bench answers,
+  from 95.1% to 97.5% along 40 HumanEval ones.
 - Off only when even an optimistic alpha (`optimistic_alpha`: one standard error above the
   estimate, the decayed trial count as the sample size) predicts no k above 1; k itself is chosen
   on the estimate. A few early rejections (EAGLE-3 on SmolLM2 at batch 1: its first four drafts
@@ -207,11 +208,11 @@ class DepthAcceptance:
         self._depths = [DecayedRatio(0.0, 0.0, decay) for _ in range(max_depth)]
         self._prior_weight = prior_weight
 
-    def record(self, depth: int, accepted: int) -> None:
-        """One row's drafted step, `depth` drafts deep: drafts 1..accepted passed, the next (if drafted) failed."""
+    def record(self, drafted: int, accepted: int) -> None:
+        """One row's step of `drafted` (<= max_depth) chain drafts: 1..accepted passed, the next (if drafted) failed."""
         for ratio in self._depths[:accepted]:
             ratio.update(1.0, 1.0)
-        if accepted < min(depth, len(self._depths)):
+        if accepted < drafted:
             self._depths[accepted].update(0.0, 1.0)
 
     def rates(self, first_prior: float) -> list[float]:
@@ -365,19 +366,17 @@ class AutoKController:
         """One finished step: its wall time, the k it ran with (the limit per row) and, per active
         row, drafts proposed and accepted; `rows`: the active rows, for their own alphas."""
         self._steps += 1
-        # how deep each row drafted: a chain's length; a tree's nodes go at most k deep (its depth is k)
-        depths = [min(drafted, k) for drafted in num_draft_tokens]
         if rows is not None and k > 0:
-            for row, depth, row_accepted in zip(rows, depths, num_accepted):
+            for row, drafted, row_accepted in zip(rows, num_draft_tokens, num_accepted):
                 estimate = self._row_alpha.get(row)
                 if estimate is None:  # from the pooled estimate, weighing as its prior does
                     estimate = self._row_alpha[row] = DecayedRatio(self.alpha * self._prior_weight, self._prior_weight, self._decay)
-                estimate.update(row_accepted, row_accepted + (row_accepted < depth or depth == 0))
-        for depth, row_accepted in zip(depths, num_accepted):
-            if depth:
-                self._depth_acceptance.record(depth, row_accepted)
+                estimate.update(row_accepted, row_accepted + (row_accepted < drafted or drafted == 0))
+        for drafted, row_accepted in zip(num_draft_tokens, num_accepted):  # chains: auto k takes no trees
+            if drafted:
+                self._depth_acceptance.record(drafted, row_accepted)
         accepted = sum(num_accepted)
-        rejections = sum(1 for depth, a in zip(depths, num_accepted) if a < depth)
+        rejections = sum(1 for d, a in zip(num_draft_tokens, num_accepted) if a < d)
         if accepted + rejections:
             self._alpha.update(accepted, accepted + rejections)
         drafted_per_row = sum(num_draft_tokens) / len(num_draft_tokens)
