@@ -43,6 +43,7 @@ from hf_specdec.models.real_models import load_smollm2  # noqa: E402
 
 EAGLE3_HEAD = Path(__file__).resolve().parents[1] / "model_cards" / "SmolLM2-135M-Instruct-eagle3"
 DEPTH = 8  # drafts unrolled per position: the largest k replayed
+ANSWER_TOKENS = 256  # the target answers this long (head_acceptance.py's default), cut to --max-new-tokens
 # bench_profile's eagle3-b1 on the AMD EPYC of 2026-12-07 (docs/measurements.md): fixed k = 1 / 2 / 3 at
 # 116.5 / 125.8 / 135.8 ms a step against 102.4 ms plain, and on from there by the same 0.1 a draft
 DEFAULT_STEP_COSTS = "1.138,1.229,1.326,1.43,1.53,1.63,1.73,1.83"
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stalls", type=float, default=0.0, help="the share of steps that stall")
     parser.add_argument("--stall-factor", type=float, default=2.0, help="how much longer a stalled step takes")
     parser.add_argument("--seeds", type=int, default=6)
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per call (answers were generated to 256)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help=f"tokens per call (2..{ANSWER_TOKENS}: the answers' length)")
     parser.add_argument("--out", default=None, help="write the figures as JSON")
     args = parser.parse_args(argv)
     try:
@@ -113,10 +114,12 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--step-costs {args.step_costs}: allowed: 1 to {DEPTH} costs > 0, one per k = 1, 2, ...")
     if not fixed_ks or not all(1 <= k <= len(step_costs) for k in fixed_ks):
         parser.error(f"--ks {args.ks}: allowed: integers from 1 to {len(step_costs)} (one cost each in --step-costs)")
-    if args.noise < 0 or not 0 <= args.stalls <= 1 or args.stall_factor < 1 or args.seeds < 1 or args.max_new_tokens < 2:
-        parser.error("allowed: --noise >= 0, 0 <= --stalls <= 1, --stall-factor >= 1, --seeds >= 1, --max-new-tokens >= 2")
+    if args.noise < 0 or not 0 <= args.stalls <= 1 or args.stall_factor < 1 or args.seeds < 1:
+        parser.error("allowed: --noise >= 0, 0 <= --stalls <= 1, --stall-factor >= 1, --seeds >= 1")
+    if not 2 <= args.max_new_tokens <= ANSWER_TOKENS:
+        parser.error(f"--max-new-tokens={args.max_new_tokens}: allowed: 2 to {ANSWER_TOKENS} (the answers' length)")
     torch.set_num_threads(2)
-    answers = [lengths[: args.max_new_tokens] for entry in sets for lengths in answer_match_lengths(entry, 256)]
+    answers = [lengths[: args.max_new_tokens] for entry in sets for lengths in answer_match_lengths(entry, ANSWER_TOKENS)]
     runs = []
     for seed in range(args.seeds):
         fixed = {k: replay(answers, k, step_costs, args.noise, args.stalls, args.stall_factor, seed)[0] for k in fixed_ks}
